@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="distlm",
+    version="0.1.0",
+    description="Distributed training of masked and causal language models on PyTorch",
+    packages=find_packages(include=["distlm", "distlm.*"]),
+    python_requires=">=3.10",
+    # torch>=2.6 rather than a pin: Neuron's torch-xla stacks pin their own torch
+    # (torch-xla 2.9 needs torch 2.9). CPU installs pin torch==2.13.0 on the command
+    # line (see README), because an unpinned torch resolves to a multi-GB CUDA build.
+    install_requires=["torch>=2.6", "numpy", "safetensors", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "mpi": ["mpi4py>=3.1"],
+        "bench": ["matplotlib"],
+        "hf": ["transformers>=4.40"],
+    },
+    entry_points={"console_scripts": ["distlm-train=distlm.train:main"]},
+)
