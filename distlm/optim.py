@@ -1,0 +1,91 @@
+"""The optimizer (AdamW) and the learning-rate schedules (polynomial decay, cosine, fixed)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from distlm.config import OptimConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, param_dtype: torch.dtype) -> torch.optim.Optimizer:
+    """AdamW; fairseq's ``adam`` is AdamW too (decoupled weight decay on every parameter)."""
+    params = [p for p in params if p.requires_grad]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if param_dtype == torch.float16:
+        return Fp32StateAdamW(params, **kwargs)
+    # torch's multi-tensor kernel: one launch per parameter group instead of one per tensor.
+    return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+class Fp32StateAdamW(torch.optim.Optimizer):
+    """AdamW for fp16 weights with fp32 moments and no fp32 copy of the weights.
+
+    This is ``--memory-efficient-fp16``: torch's AdamW keeps its moments in the
+    parameter's dtype, and an fp16 second moment underflows (grad**2 < 6e-8 is zero),
+    so the update is computed here in fp32, one tensor at a time, and written back
+    to the fp16 weight. The only fp32 copy alive is that of one tensor.
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad.float()
+                weight = p.float()
+                weight.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                weight.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+                p.copy_(weight)
+
+
+class LRSchedule:
+    """Learning rate as a pure function of the number of updates, so resuming needs no state.
+
+    Update ``n`` (1-based) uses ``lr_at(n)``. Warmup rises linearly from lr/warmup to lr,
+    as fairseq's schedulers do; then polynomial decay or cosine runs to
+    ``end_learning_rate`` at ``total_num_update``, or the rate stays fixed.
+    """
+
+    def __init__(self, cfg: OptimConfig):
+        self.kind = cfg.lr_scheduler
+        self.peak = cfg.lr
+        self.end = cfg.end_learning_rate
+        self.power = cfg.power
+        self.warmup = cfg.warmup_updates
+        self.total = cfg.total_num_update or cfg.max_update
+
+    def lr_at(self, update: int) -> float:
+        if self.warmup > 0 and update <= self.warmup:
+            return self.peak * update / self.warmup
+        if self.kind == "fixed" or not self.total:
+            return self.peak
+        if update >= self.total:
+            return self.end
+        progress = (update - self.warmup) / max(1, self.total - self.warmup)
+        if self.kind == "polynomial_decay":
+            return (self.peak - self.end) * (1 - progress) ** self.power + self.end
+        return self.end + 0.5 * (self.peak - self.end) * (1 + math.cos(math.pi * progress))
+
+    def apply(self, optimizer: torch.optim.Optimizer, update: int) -> float:
+        lr = self.lr_at(update)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr

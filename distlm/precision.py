@@ -1,0 +1,88 @@
+"""Numeric precision: fp32, bf16 autocast, fp16 autocast, and fp16 without an fp32 weight copy.
+
+fp16 needs dynamic loss scaling: the loss is multiplied by a scale before backward so
+small gradients do not flush to zero, gradients are divided by it before the update,
+and an update whose gradients overflowed is skipped while the scale halves. torch's
+``GradScaler`` refuses fp16 gradients (which ``--memory-efficient-fp16`` has), so both
+fp16 modes share the small scaler below, with fairseq's semantics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+class DynamicLossScaler:
+    """Halve the scale on overflow; double it after ``scale_window`` clean updates."""
+
+    def __init__(self, init_scale: float, scale_window: int, min_scale: float, factor: float = 2.0):
+        self.scale = float(init_scale)
+        self.scale_window = scale_window
+        self.min_scale = min_scale
+        self.factor = factor
+        self._clean_updates = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale /= self.factor
+            self._clean_updates = 0
+            if self.scale < self.min_scale:
+                raise FloatingPointError(
+                    f"fp16 loss scale fell below --min-loss-scale {self.min_scale}: the loss is diverging; "
+                    "lower --lr or use --bf16/fp32"
+                )
+            return
+        self._clean_updates += 1
+        if self._clean_updates % self.scale_window == 0:
+            self.scale *= self.factor
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "clean_updates": self._clean_updates}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._clean_updates = int(state["clean_updates"])
+
+
+@dataclass
+class Precision:
+    """What one precision mode means for weights, forward, and the gradient scale."""
+
+    mode: str  # fp32 | bf16 | fp16 | memory_efficient_fp16
+    scaler: DynamicLossScaler | None = None
+
+    @classmethod
+    def from_mode(cls, mode: str, init_scale: float = 128.0, scale_window: int = 256, min_scale: float = 1e-4):
+        scaler = DynamicLossScaler(init_scale, scale_window, min_scale) if "fp16" in mode else None
+        return cls(mode, scaler)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """fp16 weights only for memory-efficient fp16; every other mode keeps fp32 weights."""
+        return torch.float16 if self.mode == "memory_efficient_fp16" else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str) -> Iterator[None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
+            yield
+
+
+def grads_are_finite(total_norm: torch.Tensor) -> bool:
+    """The global gradient norm is inf/nan exactly when some gradient element is."""
+    return bool(math.isfinite(float(total_norm)))
