@@ -1,0 +1,61 @@
+"""ParallelDims: the one owner of the topology (degrees, their validation, named meshes).
+
+A degree of 1 means that form of parallelism is off. The data-parallel degree is
+whatever the other degrees leave of the world size. Meshes are fetched by name, so
+strategies never compute rank arithmetic of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distlm.errors import UsageError
+
+
+@dataclass
+class ParallelDims:
+    world_size: int
+    dp: int = -1
+    tp: int = 1
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise UsageError(f"--tp-degree must be at least 1, got {self.tp}")
+        if self.dp == -1:
+            if self.world_size % self.tp:
+                raise UsageError(f"--tp-degree {self.tp} does not divide the world size {self.world_size}")
+            self.dp = self.world_size // self.tp
+        if self.dp < 1 or self.dp * self.tp != self.world_size:
+            raise UsageError(
+                f"--dp-degree {self.dp} x --tp-degree {self.tp} = {self.dp * self.tp}, "
+                f"but the world size is {self.world_size}; make the product equal the number of ranks"
+            )
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The ("dp", "tp") mesh; None for a single process, which needs no process groups."""
+        if self.world_size == 1:
+            return None
+        if self._mesh is None:
+            self._mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        return self._mesh
+
+    def dp_group(self, device_type: str) -> dist.ProcessGroup | None:
+        mesh = self.build_mesh(device_type)
+        if mesh is None:
+            return None
+        if not self.tp_enabled:
+            # The world group itself: no extra gloo communicator to set up.
+            return dist.group.WORLD
+        return mesh["dp"].get_group()

@@ -1,0 +1,31 @@
+"""Data parallel through torch's DistributedDataParallel.
+
+DDP already does what distlm needs: gradients are packed into buckets of
+``bucket_cap_mb`` and each full bucket is all-reduced while backward keeps computing
+the rest. This module is the single place where communication hooks are registered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_ddp(
+    model: torch.nn.Module,
+    device: torch.device,
+    process_group: dist.ProcessGroup | None,
+    bucket_cap_mb: float,
+) -> DistributedDataParallel:
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=process_group,
+        bucket_cap_mb=bucket_cap_mb,
+        # Gradients live inside the communication buckets: no copy in, no copy out.
+        gradient_as_bucket_view=True,
+        # distlm models keep no state in buffers that training changes (rotary tables are
+        # constants), so broadcasting them before every forward would be pure overhead.
+        broadcast_buffers=False,
+    )
