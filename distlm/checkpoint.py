@@ -1,0 +1,85 @@
+"""Checkpoints: save atomically, resume exactly, refuse to mix runs.
+
+A checkpoint holds everything the next update depends on: model, optimizer, LR
+schedule position, loss scaler, every rank's RNG state, the dictionary and the global
+count of consumed samples. With DDP every replica holds the same model and optimizer,
+so rank 0 writes one file; RNG states are gathered from all ranks first.
+Files are written to a temporary name and renamed into place, so a crash mid-write
+never leaves a truncated ``checkpoint_last.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distlm.errors import UsageError
+
+FORMAT_VERSION = 1
+LAST = "checkpoint_last.pt"
+
+
+def numbered(update: int) -> str:
+    return f"checkpoint_{update}.pt"
+
+
+def resume_path(save_dir: str | os.PathLike) -> Path | None:
+    path = Path(save_dir) / LAST
+    return path if path.is_file() else None
+
+
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Load with ``weights_only=True``: a checkpoint is data, never code to execute."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UsageError(f"{path}: not a readable distlm checkpoint ({reason})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise UsageError(f"{path}: not a distlm checkpoint of format {FORMAT_VERSION}")
+    return state
+
+
+def check_resumable(state: dict[str, Any], path: Path, arch: str, task: str) -> None:
+    """A save dir belongs to one model: never resume (or overwrite) another's checkpoint."""
+    if state["arch"] != arch or state["task"] != task:
+        raise UsageError(
+            f"--save-dir {path.parent} holds a checkpoint of --arch {state['arch']} --task {state['task']}, "
+            f"not --arch {arch} --task {task}; use another --save-dir (the existing checkpoint is left untouched)"
+        )
+
+
+def save(state: dict[str, Any], save_dir: str | os.PathLike, names: list[str]) -> None:
+    """Write ``state`` under each name in ``save_dir``, each file appearing whole or not at all."""
+    directory = Path(save_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"format": FORMAT_VERSION, **state}
+    for name in names:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

@@ -1,0 +1,57 @@
+"""Entry point: ``torchrun -m distlm.train``, ``srun``/``mpiexec python -m distlm.train``, or plain ``python``.
+
+Bad input ends the run with one line on stderr and exit status 2, before anything
+distributed starts where possible; everything else is the Trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Sequence
+
+from distlm.errors import UsageError
+
+
+def _rank_from_environment() -> int:
+    # Cheap guess for "who prints", before (or without) launcher detection.
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if name in os.environ and os.environ[name].isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    is_main = _rank_from_environment() == 0
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        from distlm.config import parse_args
+
+        config = parse_args(argv)
+        from distlm.trainer import Trainer
+
+        trainer = Trainer(config)
+        trainer.fit()
+    except UsageError as exc:
+        if is_main:
+            print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+        return UsageError.exit_code
+    finally:
+        _shutdown()
+    return 0
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

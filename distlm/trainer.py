@@ -1,0 +1,368 @@
+"""Trainer: build -> parallelize -> loop -> checkpoint.
+
+One update is: ``--update-freq`` micro-batches, gradients synchronised on the last
+only; the summed loss divided once by the global number of target tokens; unscale,
+clip, finite check, step, learning rate. The data position is one global count of
+consumed samples, so the next batch is known exactly after a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import itertools
+import logging
+import math
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlm import checkpoint
+from distlm.backends.registry import get_backend
+from distlm.config import TrainConfig, validate
+from distlm.data import GlobalBatchSampler, load_lm_data
+from distlm.data.dictionary import Dictionary
+from distlm.env import ClusterEnv, ExplicitLaunch
+from distlm.errors import UsageError
+from distlm.mesh import ParallelDims
+from distlm.metrics import TrainStats, Printer
+from distlm.models import arch_task, build_model
+from distlm.optim import LRSchedule, build_optimizer
+from distlm.parallel.api import parallelize, unwrap
+from distlm.precision import Precision, grads_are_finite
+
+logger = logging.getLogger("distlm")
+
+
+class Trainer:
+    """``Trainer(config).fit()`` trains and returns the final metrics.
+
+    ``model`` may be any single-device module mapping ``input_ids [B, T]`` to logits
+    ``[B, T, V]``; ``train_data`` any object with ``__len__`` and
+    ``collate(pairs) -> {"input_ids", "targets", "ntokens"}`` where ``pairs`` are
+    ``(epoch, index)`` and targets are -100 where there is nothing to predict.
+    By default both come from ``--arch`` and ``--data``.
+    """
+
+    def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, train_data: Any = None):
+        validate(config)
+        if model is None:
+            arch_task(config.model.arch)  # an unknown --arch fails before any rendezvous or data loading
+        self.config = config
+        dist_cfg = config.distributed
+        self.env = ClusterEnv.detect(
+            explicit=ExplicitLaunch(
+                world_size=dist_cfg.distributed_world_size,
+                rank=dist_cfg.distributed_rank,
+                init_method=dist_cfg.distributed_init_method,
+            )
+        )
+        self.is_main = self.env.rank == 0
+        self.backend = get_backend(dist_cfg.device)
+        self.backend.setup(self.env, config.precision_mode, dist_cfg.network)
+        self.device = self.backend.device(self.env)
+        self.dims = ParallelDims(world_size=self.env.world_size)
+        if self.env.world_size > 1:
+            self.backend.init_process_group(self.env, datetime.timedelta(seconds=dist_cfg.timeout_sec))
+        self.dp_group = self.dims.dp_group(self.device.type)
+        if dist_cfg.fast_stat_sync:
+            logger.info("--fast-stat-sync: accepted; distlm always reduces its statistics in one collective")
+
+        self.task = config.data.task or (arch_task(config.model.arch) if model is None else "causal_lm")
+        self.arch = config.model.arch if model is None else type(model).__name__
+        resume_file = None if config.checkpoint.no_save else checkpoint.resume_path(config.checkpoint.save_dir)
+        self.resume_state = checkpoint.load(resume_file) if resume_file else None
+        if self.resume_state is not None:
+            checkpoint.check_resumable(self.resume_state, resume_file, self.arch, self.task)
+
+        self.data = train_data if train_data is not None else self._load_data()
+        self.model = self._build_model(model)
+        self.precision = Precision.from_mode(
+            config.precision_mode,
+            config.precision.fp16_init_scale,
+            config.precision.fp16_scale_window,
+            config.precision.min_loss_scale,
+        )
+        self.model = parallelize(self.model, self.dims, dist_cfg, self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim, self.precision.param_dtype)
+        self.schedule = LRSchedule(config.optim)
+        self.sampler = GlobalBatchSampler(
+            num_samples=len(self.data),
+            micro_batch_size=config.data.batch_size,
+            update_freq=config.data.update_freq,
+            dp_rank=self.env.rank // self.dims.tp,
+            dp_size=self.dims.dp,
+            seed=config.seed,
+        )
+        if self.sampler.global_batch_size > len(self.data):
+            raise UsageError(
+                f"the global batch (--batch-size {config.data.batch_size} x --update-freq {config.data.update_freq} "
+                f"x {self.dims.dp} replicas = {self.sampler.global_batch_size}) exceeds the {len(self.data)} "
+                "training samples; lower --batch-size or --update-freq, or use fewer ranks"
+            )
+        self.num_updates = 0
+        self.consumed_samples = 0
+        if self.resume_state is not None:
+            self._restore(self.resume_state, resume_file)
+        else:
+            # Dropout differs per rank (as separate replicas must), yet reproducibly.
+            torch.manual_seed(config.seed * 1000 + self.env.rank)
+
+    # ----------------------------------------------------------------------- build
+
+    def _load_data(self):
+        dictionary = None
+        if self.resume_state is not None:
+            dictionary = Dictionary.from_symbols(self.resume_state["dictionary"])
+        return load_lm_data(
+            self.config.data.data,
+            split="train",
+            task=self.task,
+            tokens_per_sample=self.config.data.tokens_per_sample,
+            sample_break_mode=self.config.data.sample_break_mode,
+            seed=self.config.seed,
+            mask_prob=self.config.data.mask_prob,
+            dictionary=dictionary,
+        )
+
+    def _build_model(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        cfg = self.config
+        if model is None:
+            overrides = {
+                k: v for k, v in (("dropout", cfg.model.dropout), ("attention_dropout", cfg.model.attention_dropout)) if v is not None
+            }
+            dictionary = self.data.dictionary
+            # Built on the meta device first: a large model is never materialised whole
+            # before parallelism decides where each piece lives.
+            with torch.device("meta"):
+                model = build_model(cfg.model.arch, vocab_size=len(dictionary), padding_idx=dictionary.pad(), **overrides)
+            if cfg.data.tokens_per_sample > model.max_positions:
+                raise UsageError(
+                    f"--tokens-per-sample {cfg.data.tokens_per_sample} exceeds --arch {cfg.model.arch}'s "
+                    f"maximum of {model.max_positions} positions; lower --tokens-per-sample"
+                )
+            model.to_empty(device=self.device)
+            torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+            with torch.no_grad():
+                model.init_weights()
+        self.uses_masked_tokens = self.task == "masked_lm" and "masked_tokens" in _forward_params(model)
+        return model.to(device=self.device, dtype=Precision.from_mode(cfg.precision_mode).param_dtype)
+
+    # ----------------------------------------------------------------- checkpoint
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        rng = checkpoint.capture_rng()
+        rng_by_rank = [rng]
+        if self.env.world_size > 1:
+            rng_by_rank = [None] * self.env.world_size
+            dist.all_gather_object(rng_by_rank, rng)
+        dictionary = getattr(self.data, "dictionary", None)
+        return {
+            "arch": self.arch,
+            "task": self.task,
+            "config": self.config.to_dict(),
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": {"num_updates": self.num_updates},
+            "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
+            "rng": rng_by_rank,
+            "world_size": self.env.world_size,
+            "num_updates": self.num_updates,
+            "consumed_samples": self.consumed_samples,
+            "dictionary": list(dictionary.symbols) if dictionary is not None else None,
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.config.checkpoint.no_save:
+            return
+        state = self._checkpoint_state()  # collective: every rank takes part
+        if self.is_main:
+            names = [checkpoint.LAST]
+            interval = self.config.checkpoint.save_interval_updates
+            if interval and self.num_updates % interval == 0:
+                names.append(checkpoint.numbered(self.num_updates))
+            checkpoint.save(state, self.config.checkpoint.save_dir, names)
+        if self.dp_group is not None:
+            dist.barrier()  # nobody resumes or exits before the file is complete
+
+    def _restore(self, state: dict[str, Any], path) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.precision.scaler is not None and state["scaler"] is not None:
+            self.precision.scaler.load_state_dict(state["scaler"])
+        self.num_updates = state["num_updates"]
+        self.consumed_samples = state["consumed_samples"]
+        if state["world_size"] == self.env.world_size:
+            checkpoint.restore_rng(state["rng"][self.env.rank])
+        else:
+            torch.manual_seed(self.config.seed * 1000 + self.env.rank + 7919 * self.num_updates)
+            logger.info("world size changed %d -> %d: dropout RNG reseeded", state["world_size"], self.env.world_size)
+        logger.info("resumed from %s at update %d (%d samples consumed)", path, self.num_updates, self.consumed_samples)
+
+    # ----------------------------------------------------------------------- loop
+
+    def update_batches(self) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """This rank's micro-batches for each coming update, prepared by --num-workers processes."""
+        dataset = _UpdateBatches(self.data, self.sampler, self.consumed_samples)
+        if self.config.data.num_workers == 0:
+            return map(dataset.__getitem__, itertools.count())
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, sampler=itertools.count(), num_workers=self.config.data.num_workers
+        )
+        return iter(loader)
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.config
+        printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.is_main)
+        stats = TrainStats()
+        train_wall = 0.0
+        record: dict[str, Any] = {}
+        batches = self.update_batches()
+        try:
+            while not self._done():
+                started = time.perf_counter()
+                record = self.train_step(next(batches))
+                train_wall += time.perf_counter() - started
+                stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"), record.pop("samples"))
+                printer.progress()
+                if self.num_updates % cfg.logging.log_interval == 0 or self._done():
+                    summary = {"update": self.num_updates, **stats.reduce(self.dp_group), **record, "train_wall": round(train_wall, 2)}
+                    printer.log(summary)
+                    stats.reset()
+                interval = cfg.checkpoint.save_interval_updates
+                if interval and self.num_updates % interval == 0 and not self._done():
+                    self.save_checkpoint()
+        finally:
+            printer.close()
+        self.save_checkpoint()
+        final = {"update": self.num_updates, "consumed_samples": self.consumed_samples, **record, "train_wall": round(train_wall, 2)}
+        printer.log(final, kind="summary")
+        return final
+
+    def _done(self) -> bool:
+        cfg = self.config.optim
+        if cfg.max_update and self.num_updates >= cfg.max_update:
+            return True
+        return bool(cfg.max_epoch) and self.consumed_samples >= cfg.max_epoch * len(self.data)
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """One update over this rank's ``--update-freq`` micro-batches."""
+        micro_batches = [{k: v.to(self.device) for k, v in b.items()} for b in micro_batches]
+        local_targets = sum(int(b["ntokens"]) for b in micro_batches)
+        global_targets = self._global_sum(local_targets)
+        # DDP averages gradients over replicas; multiplying by their number makes the
+        # result the gradient of (summed loss / global target tokens): normalised once.
+        scale = self.dims.dp * self.precision.loss_scale / max(global_targets, 1)
+
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self._grad_sync(last):
+                with self.precision.autocast(self.backend.autocast_device_type):
+                    loss = self._loss_sum(batch)
+                (loss * scale).backward()
+            loss_sum += loss.detach().double().cpu()
+
+        lr = self.schedule.apply(self.optimizer, self.num_updates + 1)
+        gnorm = self._unscale_and_clip()
+        overflow = not grads_are_finite(gnorm)
+        if overflow:
+            logger.info("update %d: gradient overflow at loss scale %g, update skipped", self.num_updates + 1, self.precision.loss_scale)
+        else:
+            self.backend.optimizer_step(self.optimizer)
+            self.num_updates += 1
+        if self.precision.scaler is not None:
+            self.precision.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backend.mark_step()
+        self.consumed_samples += self.sampler.global_batch_size
+        if self.config.distributed.check_replicas:
+            self.check_replicas()
+
+        record = {
+            "loss_sum": loss_sum,
+            "target_tokens": local_targets,
+            "input_tokens": sum(int((b["input_ids"] != self._pad).sum()) for b in micro_batches),
+            "samples": sum(len(b["input_ids"]) for b in micro_batches),
+            "lr": lr,
+            "gnorm": round(float(gnorm), 3),
+        }
+        if self.precision.scaler is not None:
+            record["loss_scale"] = self.precision.loss_scale
+        return record
+
+    @property
+    def _pad(self) -> int:
+        dictionary = getattr(self.data, "dictionary", None)
+        return dictionary.pad() if dictionary is not None else -1
+
+    def _grad_sync(self, sync: bool):
+        if sync or not hasattr(self.model, "no_sync"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy (fp32) over the batch's target tokens."""
+        targets = batch["targets"]
+        if self.uses_masked_tokens:
+            masked = targets.ne(-100)
+            logits = self.model(batch["input_ids"], masked_tokens=masked)
+            targets = targets[masked]
+        else:
+            logits = self.model(batch["input_ids"])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+
+    def _global_sum(self, value: int) -> int:
+        if self.dp_group is None:
+            return value
+        total = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=self.dp_group)
+        return int(total.item())
+
+    def _unscale_and_clip(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.precision.scaler is not None:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / self.precision.loss_scale)
+        max_norm = self.config.optim.clip_norm or math.inf
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    # ---------------------------------------------------------------------- debug
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Every data-parallel replica must hold bit-identical parameters after every update."""
+        if self.dp_group is None:
+            return
+        mine = torch.stack([p.detach().double().sum() for p in self.model.parameters()]).cpu()
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dp_group))]
+        dist.all_gather(gathered, mine, group=self.dp_group)
+        names = [n for n, _ in unwrap(self.model).named_parameters()]
+        for rank, theirs in enumerate(gathered):
+            diff = (theirs != gathered[0]).nonzero()
+            if len(diff):
+                raise RuntimeError(
+                    f"--check-replicas: after update {self.num_updates}, parameter {names[int(diff[0])]} "
+                    f"differs between data-parallel ranks 0 and {rank}"
+                )
+
+
+class _UpdateBatches(torch.utils.data.Dataset):
+    """Item k: the micro-batches of the k-th update from ``start`` consumed samples on."""
+
+    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int):
+        self.data, self.sampler, self.start = data, sampler, start
+
+    def __getitem__(self, k: int) -> list[dict[str, torch.Tensor]]:
+        position = self.start + k * self.sampler.global_batch_size
+        return [self.data.collate(pairs) for pairs in self.sampler.local_micro_batches(position)]
+
+
+def _forward_params(model: torch.nn.Module) -> Sequence[str]:
+    return tuple(inspect.signature(model.forward).parameters)
