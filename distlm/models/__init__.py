@@ -1,0 +1,19 @@
+"""Single-device models.
+
+Parallelism is applied from outside (distlm.parallel), guided by each model class's
+``tp_plan``; nothing here imports torch.distributed (convention 1 in DESIGN.md).
+"""
+
+from distlm.models.llama import LlamaCausalLM, LlamaConfig
+from distlm.models.registry import ARCHS, arch_task, build_model
+from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
+
+__all__ = [
+    "ARCHS",
+    "arch_task",
+    "build_model",
+    "LlamaCausalLM",
+    "LlamaConfig",
+    "RobertaConfig",
+    "RobertaMaskedLM",
+]

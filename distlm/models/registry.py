@@ -1,0 +1,106 @@
+"""Named architectures (``--arch``) and the one function that builds them."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+
+from torch import nn
+
+from distlm.errors import UsageError
+from distlm.models.llama import LlamaCausalLM, LlamaConfig
+from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
+
+# arch name -> (model class, config). Vocabulary size and padding id are left at
+# their defaults here: they come from the data at build time.
+ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
+    # Small enough (~1.8M parameters without the embedding) to train on one CPU core.
+    "roberta_tiny": (
+        RobertaMaskedLM,
+        RobertaConfig(dim=192, n_layers=4, n_heads=4, ffn_dim=768, max_positions=512),
+    ),
+    "roberta_base": (
+        RobertaMaskedLM,
+        RobertaConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_positions=512),
+    ),
+    "roberta_large": (
+        RobertaMaskedLM,
+        RobertaConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, max_positions=512),
+    ),
+    "llama_tiny": (
+        LlamaCausalLM,
+        LlamaConfig(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, multiple_of=64, max_seq_len=2048),
+    ),
+    "llama2_7b": (
+        LlamaCausalLM,
+        LlamaConfig(dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=4096),
+    ),
+    "llama3_8b": (
+        LlamaCausalLM,
+        LlamaConfig(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            multiple_of=1024,
+            ffn_dim_multiplier=1.3,
+            rope_theta=500000.0,
+            max_seq_len=8192,
+        ),
+    ),
+}
+
+# Set by build_model's own arguments, so not accepted as overrides.
+_BUILD_ARGUMENTS = ("vocab_size", "padding_idx")
+
+
+def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig]:
+    if arch not in ARCHS:
+        raise UsageError(f"--arch {arch} is unknown; choose one of: {', '.join(ARCHS)}")
+    return ARCHS[arch]
+
+
+def arch_task(arch: str) -> str:
+    """``"masked_lm"`` or ``"causal_lm"``: which objective (and data pipeline) the arch trains."""
+    model_class, _ = _lookup(arch)
+    return model_class.task
+
+
+def _accepts(annotation: object, value: object) -> bool:
+    """Whether ``value`` fits a config field annotated ``int``, ``float`` or ``X | None``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def build_model(arch: str, vocab_size: int, padding_idx: int = 1, **overrides: object) -> nn.Module:
+    """Build ``arch`` on the current default device (use ``with torch.device("meta")``
+    for deferred initialisation, then ``to_empty`` and ``init_weights()``).
+
+    ``overrides`` replace fields of the arch's config, e.g. ``dropout=0.0``.
+    """
+    model_class, base_config = _lookup(arch)
+    # get_type_hints resolves the string annotations left by `from __future__ import annotations`.
+    field_types = typing.get_type_hints(type(base_config))
+    settings = [f.name for f in dataclasses.fields(base_config) if f.name not in _BUILD_ARGUMENTS]
+    for name, value in overrides.items():
+        if name not in settings:
+            raise UsageError(
+                f"--arch {arch} has no model setting '{name}'; valid settings: {', '.join(settings)}"
+            )
+        if not _accepts(field_types[name], value):
+            raise UsageError(
+                f"model setting {name}={value!r} has the wrong type for --arch {arch}; "
+                f"expected {field_types[name]}"
+            )
+    config = dataclasses.replace(
+        base_config, vocab_size=vocab_size, padding_idx=padding_idx, **overrides
+    )
+    return model_class(config)

@@ -1,0 +1,216 @@
+"""RoBERTa masked language model, laid out like fairseq's so its weights map one-to-one.
+
+Post-LayerNorm encoder, learned positions with fairseq's padding offset, and an LM
+head whose output projection is tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlm.errors import UsageError
+
+
+@dataclass
+class RobertaConfig:
+    dim: int = 768
+    """Hidden size of every encoder layer."""
+    n_layers: int = 12
+    """Number of encoder layers."""
+    n_heads: int = 12
+    """Attention heads per layer; must divide ``dim``."""
+    ffn_dim: int = 3072
+    """Inner size of the feed-forward block."""
+    max_positions: int = 512
+    """Longest sample in tokens; sizes the learned positional table."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention output and feed-forward output."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities."""
+    layer_norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    vocab_size: int = 0
+    """Vocabulary size; always set from the data, never by the arch."""
+    padding_idx: int = 1
+    """Token id of padding; its embedding row stays zero and it is masked out of attention."""
+
+    def validate(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "ffn_dim", "max_positions", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"model setting {name}={getattr(self, name)} must be positive")
+        if self.dim % self.n_heads != 0:
+            raise UsageError(f"model setting n_heads={self.n_heads} must divide dim={self.dim}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UsageError(f"model setting {name}={getattr(self, name)} must be in [0, 1)")
+        if not 0 <= self.padding_idx < self.vocab_size:
+            raise UsageError(
+                f"padding_idx={self.padding_idx} is outside the vocabulary of size "
+                f"{self.vocab_size}; check the dictionary's pad symbol"
+            )
+
+
+def make_positions(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """fairseq's position ids: real tokens count up from padding_idx + 1, pads keep padding_idx.
+
+    Counting only non-pad tokens makes a token's position independent of how much
+    padding surrounds it, so left- and right-padded batches embed alike.
+    """
+    not_pad = input_ids.ne(padding_idx).long()
+    return torch.cumsum(not_pad, dim=1) * not_pad + padding_idx
+
+
+class RobertaSelfAttention(nn.Module):
+    def __init__(self, config: RobertaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.n_heads
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.dim, config.dim)
+        self.k_proj = nn.Linear(config.dim, config.dim)
+        self.v_proj = nn.Linear(config.dim, config.dim)
+        self.out_proj = nn.Linear(config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 heads rather than config.n_heads: under tensor parallelism each rank
+        # holds only its share of the heads.
+        q, k, v = (
+            proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        dropout_p = self.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class RobertaEncoderLayer(nn.Module):
+    """Post-LayerNorm block, as in BERT and fairseq's RoBERTa."""
+
+    def __init__(self, config: RobertaConfig) -> None:
+        super().__init__()
+        self.self_attn = RobertaSelfAttention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.dim, config.ffn_dim)
+        self.fc2 = nn.Linear(config.ffn_dim, config.dim)
+        self.final_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.self_attn_layer_norm(x + self.dropout(self.self_attn(x, attn_mask)))
+        x = self.final_layer_norm(x + self.dropout(self.fc2(F.gelu(self.fc1(x)))))
+        return x
+
+
+class RobertaLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> projection onto the (tied) token embedding.
+
+    The projection weight is passed in at call time instead of being registered
+    here, so the model owns exactly one copy of it: a second registration would be
+    split apart by ``to_empty`` and by FSDP, silently untying the weights.
+    """
+
+    def __init__(self, config: RobertaConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.dim, config.dim)
+        self.layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.empty(config.vocab_size))
+
+    def forward(self, x: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(F.gelu(self.dense(x)))
+        return F.linear(x, output_weight, self.bias)
+
+
+class RobertaMaskedLM(nn.Module):
+    task = "masked_lm"
+
+    # Tensor-parallel split plan, consumed by distlm.parallel (models never import
+    # torch.distributed). The embeddings and the LM head stay replicated: the output
+    # projection *is* embed_tokens.weight, and the per-module parallel styles would
+    # give that one parameter two different layouts.
+    tp_plan: dict[str, str] = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.out_proj": "rowwise",
+        "layers.*.fc1": "colwise",
+        "layers.*.fc2": "rowwise",
+    }
+    # Config fields the tensor-parallel degree must divide.
+    tp_divisible: tuple[str, ...] = ("n_heads", "ffn_dim")
+
+    def __init__(self, config: RobertaConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        target_device = torch.get_default_device()
+        # Modules are created on meta and initialised only by init_weights(), so the
+        # torch RNG is consumed the same way whether the model is built directly on
+        # a device or on meta and materialised later.
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, config.padding_idx)
+            self.embed_positions = nn.Embedding(
+                config.max_positions + config.padding_idx + 1, config.dim, config.padding_idx
+            )
+            self.emb_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+            self.dropout = nn.Dropout(config.dropout)
+            self.layers = nn.ModuleList(RobertaEncoderLayer(config) for _ in range(config.n_layers))
+            self.lm_head = RobertaLMHead(config)
+        if target_device.type != "meta":
+            self.to_empty(device=target_device)
+            self.init_weights()
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_positions
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """BERT initialisation: N(0, 0.02) weights, zero biases and padding rows."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.zeros_(self.lm_head.bias)
+
+    def forward(
+        self, input_ids: torch.Tensor, masked_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]``, or ``[n_masked, V]`` at the ``masked_tokens`` positions only.
+
+        Restricting the LM head to masked positions (about 15% of tokens) saves most
+        of the ``B*T*V`` logits memory, as fairseq does.
+        """
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_positions:
+            raise ValueError(
+                f"input has {seq_len} tokens but the model accepts at most "
+                f"max_positions={self.config.max_positions}"
+            )
+        pad = self.config.padding_idx
+        padding_mask = input_ids.eq(pad)
+        x = self.embed_tokens(input_ids) + self.embed_positions(make_positions(input_ids, pad))
+        x = self.dropout(self.emb_layer_norm(x))
+
+        # Packed samples usually have no padding; skipping the mask then lets SDPA use
+        # its fused kernels (a mask rules out flash attention on GPU).
+        attn_mask = None
+        if padding_mask.any():
+            x = x * (~padding_mask).unsqueeze(-1).type_as(x)
+            # SDPA's boolean mask means "may attend"; broadcast over heads and queries.
+            attn_mask = (~padding_mask)[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+
+        if masked_tokens is not None:
+            x = x[masked_tokens]
+        return self.lm_head(x, self.embed_tokens.weight)
