@@ -1,0 +1,223 @@
+"""Memory-mapped ``.bin``/``.idx`` token datasets, as written by fairseq and Megatron-LM.
+
+Both projects share the same index layout (little-endian)::
+
+    magic     b"MMIDIDX\\x00\\x00"       9 bytes
+    version   u64 = 1
+    dtype     u8 code of the token type in .bin
+    N         u64 number of sequences
+    [D        u64 number of documents]        Megatron only
+    sizes     int32[N]   tokens per sequence
+    pointers  int64[N]   byte offset of each sequence in .bin
+    [doc_idx  int64[D]]                       Megatron only
+
+fairseq's reader assumes its own layout and silently misreads a Megatron index (it takes
+D as the first sizes). So the flavour is decided here from the file length, which
+fits exactly one layout. The two projects also disagree about dtype code 7.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from distlm.errors import UsageError
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+_HEADER = struct.Struct("<9sQBQ")  # magic, version, dtype code, N
+_DOC_COUNT = struct.Struct("<Q")
+FAIRSEQ = "fairseq"
+MEGATRON = "megatron"
+
+FAIRSEQ_DTYPES: dict[int, type[np.generic]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float64,
+    8: np.uint16,
+    9: np.uint32,
+    10: np.uint64,
+}
+MEGATRON_DTYPES: dict[int, type[np.generic]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+
+
+def fairseq_dtype_code(dtype: np.dtype | type) -> int:
+    """fairseq's code for ``dtype`` (float64 is written as 6, its first code)."""
+    dtype = np.dtype(dtype)
+    for code, candidate in FAIRSEQ_DTYPES.items():
+        if np.dtype(candidate) == dtype:
+            return code
+    raise UsageError(
+        f"dtype {dtype} cannot be stored in a fairseq index; use one of uint8/16/32/64, int8/16/32/64, float64"
+    )
+
+
+def index_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.idx")
+
+
+def data_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(prefix)}.bin")
+
+
+class MMapIndexedDataset:
+    """Sequences of token ids read lazily from ``{prefix}.bin`` through ``{prefix}.idx``.
+
+    Opening validates the whole index against the ``.bin`` length (vectorised), so a
+    truncated or corrupt file fails here with one line naming it, not later deep in a
+    training step.
+    """
+
+    def __init__(self, prefix: str | os.PathLike) -> None:
+        self.prefix = os.fspath(prefix)
+        self._read_index(index_path(prefix))
+        self._open_data(data_path(prefix))
+
+    def _read_index(self, path: Path) -> None:
+        def corrupt(reason: str) -> UsageError:
+            return UsageError(f"index file {path} is corrupt or truncated: {reason}; re-run fairseq-preprocess")
+
+        try:
+            length = path.stat().st_size
+            with open(path, "rb") as handle:
+                head = handle.read(_HEADER.size + _DOC_COUNT.size)
+        except FileNotFoundError:
+            raise UsageError(
+                f"index file {path} does not exist; expected fairseq-preprocess output ({path.stem}.idx and .bin)"
+            ) from None
+        except OSError as err:
+            raise UsageError(f"index file {path} cannot be read ({err.strerror})") from None
+
+        if len(head) < _HEADER.size:
+            raise corrupt(f"{length} bytes is shorter than the {_HEADER.size}-byte header")
+        magic, version, dtype_code, count = _HEADER.unpack_from(head)
+        if magic != INDEX_MAGIC:
+            raise corrupt(f"bad magic {magic!r}, expected {INDEX_MAGIC!r} (not an MMap indexed dataset)")
+        if version != INDEX_VERSION:
+            raise corrupt(f"unsupported version {version}, expected {INDEX_VERSION}")
+
+        # Decide the flavour by the exact length: 26+12N for fairseq, 34+12N+8D for
+        # Megatron. The two can never both fit (that would need D = -1).
+        fairseq_length = _HEADER.size + 12 * count
+        doc_count = megatron_length = None
+        if len(head) == _HEADER.size + _DOC_COUNT.size:
+            doc_count = _DOC_COUNT.unpack_from(head, _HEADER.size)[0]
+            megatron_length = _HEADER.size + _DOC_COUNT.size + 12 * count + 8 * doc_count
+        if length == fairseq_length:
+            self.flavour, dtypes, sizes_offset, doc_count = FAIRSEQ, FAIRSEQ_DTYPES, _HEADER.size, 0
+        elif length == megatron_length:
+            self.flavour, dtypes, sizes_offset = MEGATRON, MEGATRON_DTYPES, _HEADER.size + _DOC_COUNT.size
+        else:
+            megatron = f" or Megatron's {megatron_length} (D={doc_count})" if megatron_length is not None else ""
+            raise corrupt(f"length {length} bytes matches neither fairseq's {fairseq_length} (N={count}){megatron}")
+        if dtype_code not in dtypes:
+            raise corrupt(f"unknown dtype code {dtype_code} for a {self.flavour} index (known: {sorted(dtypes)})")
+        self.dtype = np.dtype(dtypes[dtype_code])
+
+        index = np.memmap(path, mode="r", dtype=np.uint8)
+        self.sizes = np.frombuffer(index, dtype="<i4", count=count, offset=sizes_offset)
+        self.pointers = np.frombuffer(index, dtype="<i8", count=count, offset=sizes_offset + 4 * count)
+        self.doc_idx = np.frombuffer(index, dtype="<i8", count=doc_count, offset=sizes_offset + 12 * count)
+        if (self.sizes < 0).any():
+            raise corrupt(f"negative size at sequence {int(np.argmax(self.sizes < 0))}")
+
+    def _open_data(self, path: Path) -> None:
+        try:
+            data_length = path.stat().st_size
+        except FileNotFoundError:
+            raise UsageError(
+                f"data file {path} does not exist; expected fairseq-preprocess output ({path.stem}.idx and .bin)"
+            ) from None
+
+        ends = self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize
+        problems = [
+            (self.pointers < 0, "a negative pointer"),
+            (self.pointers > data_length, f"a pointer past the end of the {data_length}-byte .bin"),
+            (ends > data_length, f"data past the end of the {data_length}-byte .bin"),
+        ]
+        if len(self.pointers) > 1:
+            # Sequences must follow each other without overlapping; anything else means
+            # the index belongs to another .bin or was damaged.
+            overlapping = np.concatenate([[False], self.pointers[1:] < ends[:-1]])
+            problems.append((overlapping, "pointers that go backwards or overlap"))
+        for bad, what in problems:
+            if bad.any():
+                first = int(np.argmax(bad))
+                raise UsageError(
+                    f"index {index_path(self.prefix)} does not match data file {path}: {what} at sequence {first}; "
+                    f"the pair is truncated or corrupt, re-run fairseq-preprocess"
+                )
+        # numpy cannot memory-map an empty file; an empty .bin can only hold empty sequences.
+        self._data = np.memmap(path, mode="r", dtype=np.uint8) if data_length > 0 else np.zeros(0, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Sequence ``index`` as an int64 array (a copy; the file stays read-only)."""
+        return self.get_slice(index, 0, int(self.sizes[index]))
+
+    def get_slice(self, index: int, offset: int, length: int) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``index``, reading only those bytes."""
+        if not 0 <= index < len(self.sizes):
+            raise IndexError(f"sequence {index} out of range for {len(self.sizes)} sequences in {self.prefix}")
+        size = int(self.sizes[index])
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"slice [{offset}, {offset + length}) out of range for sequence {index} of size {size}")
+        start = int(self.pointers[index]) + offset * self.dtype.itemsize
+        tokens = np.frombuffer(self._data, dtype=self.dtype.newbyteorder("<"), count=length, offset=start)
+        return tokens.astype(np.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.sum(dtype=np.int64))
+
+
+def write_indexed_dataset(
+    prefix: str | os.PathLike,
+    sequences: Iterable[Iterable[int]],
+    dtype: np.dtype | type = np.uint16,
+) -> None:
+    """Write ``{prefix}.bin`` and ``{prefix}.idx`` in fairseq's layout (no document index)."""
+    dtype = np.dtype(dtype).newbyteorder("<")
+    code = fairseq_dtype_code(dtype)
+    limits = np.iinfo(dtype) if dtype.kind in "iu" else None
+    sizes: list[int] = []
+    with open(data_path(prefix), "wb") as data_file:
+        for number, sequence in enumerate(sequences):
+            values = np.asarray(sequence)
+            if values.ndim != 1:
+                raise UsageError(f"write_indexed_dataset {prefix}: sequence {number} must be one-dimensional")
+            if limits is not None and values.size and (values.min() < limits.min or values.max() > limits.max):
+                raise UsageError(
+                    f"write_indexed_dataset {prefix}: sequence {number} has ids outside {dtype}'s range; "
+                    f"pass a wider dtype"
+                )
+            data_file.write(values.astype(dtype).tobytes())
+            sizes.append(values.size)
+
+    size_array = np.asarray(sizes, dtype="<i4")
+    pointers = np.zeros(len(sizes), dtype="<i8")
+    if len(sizes) > 1:
+        np.cumsum(size_array[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    with open(index_path(prefix), "wb") as index_file:
+        index_file.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, code, len(sizes)))
+        index_file.write(size_array.tobytes())
+        index_file.write(pointers.tobytes())
