@@ -1,0 +1,150 @@
+"""What every hardware backend provides, and the process-group start they share.
+
+A backend owns everything that differs between CPU, CUDA and Neuron: the device a rank
+uses, the ``torch.distributed`` backend name, which precisions the hardware supports,
+network presets, and the step boundaries of lazy devices. The trainer talks only to
+this interface, so no other module names NCCL or imports torch_xla.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from distlm.env import ClusterEnv
+from distlm.errors import UsageError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "memory_efficient_fp16")
+NETWORKS = ("auto", "efa", "tcp")
+
+
+class DistributedInitError(RuntimeError):
+    """The process group could not start; the message names ranks, world size and master."""
+
+
+class DistributedTimeout(DistributedInitError):
+    """A peer never arrived within the timeout (a rank did not start, or cannot reach the master)."""
+
+
+def check_precision_name(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+def check_network_name(network: str) -> None:
+    if network not in NETWORKS:
+        raise UsageError(f"--network {network!r} is not one of {', '.join(NETWORKS)}")
+
+
+def uses_agent_store(env: ClusterEnv, environ: Mapping[str, str]) -> bool:
+    """Under torchrun the agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT."""
+    return env.launcher == "torchelastic" and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def create_store(
+    env: ClusterEnv,
+    timeout: datetime.timedelta,
+    environ: Mapping[str, str] | None = None,
+) -> dist.Store:
+    """The rendezvous store for ``init_process_group``, built here rather than by ``env://``.
+
+    Rank 0 serves a TCPStore at the master address unless torchrun's agent already does
+    (then every worker is a client, as torch's own env:// rendezvous does). The store is
+    wrapped in a prefix keyed by ``TORCHELASTIC_RESTART_COUNT``: after a torchrun restart
+    the agent's store still holds the previous attempt's gloo addresses, and workers
+    that read them fail with "connectFullMesh ... Connection refused" or hang
+    (FACTS.md: 4-5 of 6 runs without the prefix, 16 of 16 fine with it).
+    """
+    environ = os.environ if environ is None else environ
+    if env.master_addr is None:
+        raise UsageError(
+            f"launcher {env.launcher} gives no master address: export MASTER_ADDR and MASTER_PORT, "
+            "or call distlm.env.resolve_master_via_mpi() first (needs mpi4py)"
+        )
+    port = env.master_port
+    if port is None:
+        if env.world_size > 1:
+            raise UsageError(f"launcher {env.launcher} gives no master port: export MASTER_PORT")
+        port = 0  # one process: the OS picks a port that is free, no guessing
+    is_master = env.rank == 0 and not uses_agent_store(env, environ)
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            port,
+            env.world_size,
+            is_master=is_master,
+            timeout=timeout,
+            # The master's constructor blocks until every rank has connected, so a
+            # missing rank surfaces here as one clear timeout.
+            wait_for_workers=True,
+        )
+    except (dist.DistError, RuntimeError) as err:
+        raise describe_init_failure(err, env, port, timeout, "the rendezvous store") from err
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"distlm/restart{restart}", store)
+
+
+def describe_init_failure(
+    err: BaseException, env: ClusterEnv, port: int, timeout: datetime.timedelta, stage: str
+) -> DistributedInitError:
+    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    timed_out = "time" in cause.lower()  # "Timed out", "timed out", "timeout"
+    where = f"rank {env.rank} of world size {env.world_size} (launcher {env.launcher}, master {env.master_addr}:{port})"
+    if timed_out:
+        return DistributedTimeout(
+            f"{where} gave up on {stage} after {timeout.total_seconds():g} s: {cause}. "
+            f"Check that all {env.world_size} ranks started and can reach {env.master_addr}:{port}."
+        )
+    return DistributedInitError(f"{where} could not set up {stage}: {cause}")
+
+
+class Backend:
+    """One kind of hardware. Subclasses set ``name``, ``dist_backend`` and ``autocast_device_type``."""
+
+    name: str = ""
+    dist_backend: str = ""
+
+    @property
+    def autocast_device_type(self) -> str:
+        """The ``device_type`` for ``torch.autocast`` on this hardware."""
+        raise NotImplementedError
+
+    def device(self, env: ClusterEnv) -> torch.device:
+        raise NotImplementedError
+
+    def check_precision(self, precision: str) -> None:
+        """UsageError if this hardware cannot train in ``precision``."""
+        check_precision_name(precision)
+
+    def check_network(self, network: str) -> None:
+        check_network_name(network)
+
+    def setup(self, env: ClusterEnv, precision: str, network: str = "auto") -> None:
+        """Validate the request against the hardware and apply presets; before any process group."""
+        self.check_precision(precision)
+        self.check_network(network)
+
+    def init_process_group(self, env: ClusterEnv, timeout: datetime.timedelta) -> None:
+        store = create_store(env, timeout)
+        try:
+            dist.init_process_group(
+                self.dist_backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+            )
+        except (dist.DistError, RuntimeError) as err:
+            raise describe_init_failure(err, env, env.master_port or 0, timeout, "the process group") from err
+
+    def mark_step(self) -> None:
+        """End of a traced step; only lazy (XLA) devices need one."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing); eager CPU has none."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, dist_backend={self.dist_backend!r})"
