@@ -68,7 +68,7 @@ class OptimConfig:
     """Learning rate at the end of polynomial decay (and the floor of cosine)."""
     power: float = 1.0
     """Exponent of polynomial decay."""
-    max_update: int = 300
+    max_update: int = 100
     """Stop after this many updates (0: no limit)."""
     max_epoch: int = 0
     """Stop after this many passes over the training data (0: no limit)."""
@@ -138,7 +138,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_format: str | None = None
     """json|simple|tqdm; default: tqdm on a terminal, json otherwise."""
-    log_interval: int = 25
+    log_interval: int = 10
     """Log training statistics every N updates."""
 
 

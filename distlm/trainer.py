@@ -220,7 +220,7 @@ class Trainer:
         printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.is_main)
         stats = TrainStats()
         train_wall = 0.0
-        record: dict[str, Any] = {}
+        summary: dict[str, Any] = {}
         batches = self.update_batches()
         try:
             while not self._done():
@@ -239,7 +239,7 @@ class Trainer:
         finally:
             printer.close()
         self.save_checkpoint()
-        final = {"update": self.num_updates, "consumed_samples": self.consumed_samples, **record, "train_wall": round(train_wall, 2)}
+        final = {**summary, "update": self.num_updates, "consumed_samples": self.consumed_samples, "train_wall": round(train_wall, 2)}
         printer.log(final, kind="summary")
         return final
 
@@ -289,7 +289,7 @@ class Trainer:
             "target_tokens": local_targets,
             "input_tokens": sum(int((b["input_ids"] != self._pad).sum()) for b in micro_batches),
             "samples": sum(len(b["input_ids"]) for b in micro_batches),
-            "lr": lr,
+            "lr": float(f"{lr:.6g}"),
             "gnorm": round(float(gnorm), 3),
         }
         if self.precision.scaler is not None:

@@ -7,6 +7,8 @@ the rest. This module is the single place where communication hooks are register
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -25,7 +27,14 @@ def apply_ddp(
         bucket_cap_mb=bucket_cap_mb,
         # Gradients live inside the communication buckets: no copy in, no copy out.
         gradient_as_bucket_view=True,
-        # distlm models keep no state in buffers that training changes (rotary tables are
-        # constants), so broadcasting them before every forward would be pure overhead.
-        broadcast_buffers=False,
+        **_no_buffer_sync_per_forward(),
     )
+
+
+def _no_buffer_sync_per_forward() -> dict[str, bool]:
+    """distlm models keep no state in buffers that training changes (rotary tables are
+    constants), so broadcasting buffers before every forward would be pure overhead.
+    torch 2.13 renamed the switch; older releases (Neuron's torch-xla stacks) know the old name."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
