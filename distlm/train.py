@@ -41,6 +41,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_main:
             print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return UsageError.exit_code
+    except RuntimeError as exc:
+        # Start-up and collective failures already carry a one-line explanation naming
+        # the ranks; every rank prints its own, since each may see a different peer fail.
+        from distlm.backends.base import DistributedInitError
+        from distlm.trainer import CollectiveFailure
+
+        if not isinstance(exc, (DistributedInitError, CollectiveFailure)):
+            raise
+        print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         _shutdown()
     return 0

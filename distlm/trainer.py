@@ -38,6 +38,10 @@ from distlm.precision import Precision, grads_are_finite
 logger = logging.getLogger("distlm")
 
 
+class CollectiveFailure(RuntimeError):
+    """A collective did not complete: a peer died, stalled past --timeout-sec, or lost its link."""
+
+
 class Trainer:
     """``Trainer(config).fit()`` trains and returns the final metrics.
 
@@ -225,7 +229,8 @@ class Trainer:
         try:
             while not self._done():
                 started = time.perf_counter()
-                record = self.train_step(next(batches))
+                with self._naming_ranks_on_collective_failure():
+                    record = self.train_step(next(batches))
                 train_wall += time.perf_counter() - started
                 stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"), record.pop("samples"))
                 printer.progress()
@@ -242,6 +247,25 @@ class Trainer:
         final = {**summary, "update": self.num_updates, "consumed_samples": self.consumed_samples, "train_wall": round(train_wall, 2)}
         printer.log(final, kind="summary")
         return final
+
+    @contextlib.contextmanager
+    def _naming_ranks_on_collective_failure(self) -> Iterator[None]:
+        """Turn torch's transport-level error into one line naming the group and the timeout."""
+        try:
+            yield
+        except RuntimeError as err:
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            transport = isinstance(err, dist.DistError) or any(
+                word in cause.lower() for word in ("timed out", "timeout", "connection", "gloo", "nccl")
+            )
+            if self.dp_group is None or not transport:
+                raise
+            ranks = dist.get_process_group_ranks(self.dp_group)
+            raise CollectiveFailure(
+                f"rank {self.env.rank}: a collective of update {self.num_updates + 1} among ranks {ranks} "
+                f"did not complete (--timeout-sec {self.config.distributed.timeout_sec:g}): {cause}. "
+                "Another rank probably died or stalled; its own log says why."
+            ) from err
 
     def _done(self) -> bool:
         cfg = self.config.optim
