@@ -385,36 +385,38 @@ def _slurm_first_host(environ: Mapping[str, str]) -> str:
         raise UsageError(f"{name}={environ[name]!r} is not a Slurm nodelist ({err}); export MASTER_ADDR instead") from None
 
 
-class OpenMPILauncher:
-    """``mpiexec``/``mpirun`` from OpenMPI."""
+class _MPILauncher:
+    """An MPI process manager, known by the variables it exports to every rank."""
+
+    RANK_VAR: str
+    WORLD_VARS: tuple[str]
+    LOCAL_VARS: tuple[str, str]  # local rank, local size
+
+    @classmethod
+    def detect(cls, environ: Mapping[str, str]) -> ClusterEnv | None:
+        if cls.RANK_VAR not in environ or cls.WORLD_VARS[0] not in environ:
+            return None
+        return _mpi_env(environ, (cls.RANK_VAR, cls.WORLD_VARS[0]), cls.LOCAL_VARS)
+
+
+class OpenMPILauncher(_MPILauncher):
+    """``mpiexec``/``mpirun`` from OpenMPI.
+
+    OMPI_COMM_WORLD_NODE_RANK is not the node index: OpenMPI documents it as this
+    process's relative rank on its node counted across all jobs. Not used.
+    """
 
     RANK_VAR = "OMPI_COMM_WORLD_RANK"
     WORLD_VARS = ("OMPI_COMM_WORLD_SIZE",)
-
-    @staticmethod
-    def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
-        if "OMPI_COMM_WORLD_RANK" not in environ or "OMPI_COMM_WORLD_SIZE" not in environ:
-            return None
-        # OMPI_COMM_WORLD_NODE_RANK is not the node index: OpenMPI documents it as this
-        # process's relative rank on its node counted across all jobs. Not used.
-        return _mpi_env(
-            environ,
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        )
+    LOCAL_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
-class MPICHLauncher:
+class MPICHLauncher(_MPILauncher):
     """``mpiexec`` from MPICH or Intel MPI (the Hydra process manager)."""
 
     RANK_VAR = "PMI_RANK"
     WORLD_VARS = ("PMI_SIZE",)
-
-    @staticmethod
-    def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
-        if "PMI_RANK" not in environ or "PMI_SIZE" not in environ:
-            return None
-        return _mpi_env(environ, ("PMI_RANK", "PMI_SIZE"), ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+    LOCAL_VARS = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 
 
 def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[str, str]) -> ClusterEnv:

@@ -46,15 +46,10 @@ FAIRSEQ_DTYPES: dict[int, type[np.generic]] = {
     9: np.uint32,
     10: np.uint64,
 }
+# Megatron agrees on codes 1-6 and 8, reads 7 as float32, and has no 9 or 10.
 MEGATRON_DTYPES: dict[int, type[np.generic]] = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
+    **{code: dtype for code, dtype in FAIRSEQ_DTYPES.items() if code in (1, 2, 3, 4, 5, 6, 8)},
     7: np.float32,
-    8: np.uint16,
 }
 
 
