@@ -384,6 +384,12 @@ def validate(config: TrainConfig) -> None:
         raise UsageError("--fp16 and --bf16 are exclusive; pick one")
     if config.precision.memory_efficient_fp16 and config.precision.bf16:
         raise UsageError("--memory-efficient-fp16 is an fp16 mode; it cannot be combined with --bf16")
+    if config.precision.fp16_init_scale <= 0:
+        raise UsageError(f"--fp16-init-scale must be positive, got {config.precision.fp16_init_scale}")
+    if config.precision.fp16_scale_window < 1:
+        raise UsageError(f"--fp16-scale-window must be at least 1, got {config.precision.fp16_scale_window}")
+    if config.precision.min_loss_scale <= 0:
+        raise UsageError(f"--min-loss-scale must be positive, got {config.precision.min_loss_scale}")
     if config.distributed.bucket_cap_mb <= 0:
         raise UsageError(f"--bucket-cap-mb must be positive, got {config.distributed.bucket_cap_mb}")
     if config.distributed.timeout_sec <= 0:

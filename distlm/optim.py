@@ -32,6 +32,16 @@ class Fp32StateAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts loaded state to each parameter's dtype (fp16 here), which would lose
+        # exactly the fp32 moments this optimizer exists for; put them back from the saved copy.
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, entry in saved.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[params[index]][key] = entry[key].to(params[index].device, torch.float32, copy=True)
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -64,13 +74,14 @@ class LRSchedule:
     ``end_learning_rate`` at ``total_num_update``, or the rate stays fixed.
     """
 
-    def __init__(self, cfg: OptimConfig):
+    def __init__(self, cfg: OptimConfig, updates_in_run: int | None = None):
         self.kind = cfg.lr_scheduler
         self.peak = cfg.lr
         self.end = cfg.end_learning_rate
         self.power = cfg.power
         self.warmup = cfg.warmup_updates
-        self.total = cfg.total_num_update or cfg.max_update
+        # Decay ends at --total-num-update, else --max-update, else where --max-epoch ends.
+        self.total = cfg.total_num_update or cfg.max_update or updates_in_run
 
     def lr_at(self, update: int) -> float:
         if self.warmup > 0 and update <= self.warmup:

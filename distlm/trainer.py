@@ -93,7 +93,6 @@ class Trainer:
         )
         self.model = parallelize(self.model, self.dims, dist_cfg, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, self.precision.param_dtype)
-        self.schedule = LRSchedule(config.optim)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data),
             micro_batch_size=config.data.batch_size,
@@ -102,6 +101,8 @@ class Trainer:
             dp_size=self.dims.dp,
             seed=config.seed,
         )
+        epoch_updates = math.ceil(config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size)
+        self.schedule = LRSchedule(config.optim, updates_in_run=epoch_updates)
         if self.sampler.global_batch_size > len(self.data):
             raise UsageError(
                 f"the global batch (--batch-size {config.data.batch_size} x --update-freq {config.data.update_freq} "
