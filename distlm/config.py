@@ -214,7 +214,7 @@ def _all_field_docs() -> dict[str, dict[str, str]]:
     return docs
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints usage plus a message; distlm promises one line and exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -241,7 +241,7 @@ def _parse_value(kind: Any, raw: str, flag: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog="python -m distlm.train",
         allow_abbrev=False,  # a misspelt fairseq flag must be refused, not matched to a prefix
         description="Train a masked or causal language model on one or many ranks.",

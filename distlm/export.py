@@ -7,16 +7,17 @@ stored once; the names that alias them are listed in the file's metadata.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from distlm import checkpoint
+from distlm.config import OneLineErrorParser
 from distlm.errors import UsageError
 
 
@@ -36,8 +37,13 @@ def consolidated_weights(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str,
 
 
 def export(checkpoint_path: str, out: str) -> Path:
-    if not Path(checkpoint_path).is_file():
+    source, target = Path(checkpoint_path), Path(out)
+    if source.is_dir():
+        raise UsageError(f"--checkpoint {checkpoint_path} is a directory; name a file such as {source / checkpoint.LAST}")
+    if not source.is_file():
         raise UsageError(f"--checkpoint {checkpoint_path}: no such file")
+    if target.is_dir():
+        raise UsageError(f"--out {out} is a directory; name the .safetensors file to write")
     state = checkpoint.load(checkpoint_path)
     weights, aliases = consolidated_weights(state["model"])
     metadata = {
@@ -48,18 +54,20 @@ def export(checkpoint_path: str, out: str) -> Path:
         "tied_weights": json.dumps(aliases),
         "dictionary": json.dumps(state["dictionary"]),
     }
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(target), metadata=metadata)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(target), metadata=metadata)
+    except (OSError, SafetensorError) as exc:
+        raise UsageError(f"--out {out}: cannot write ({exc})") from None
     return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlm.export", description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(prog="python -m distlm.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a distlm checkpoint, e.g. checkpoints/checkpoint_last.pt")
     parser.add_argument("--out", required=True, help="output .safetensors file")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         path = export(args.checkpoint, args.out)
     except UsageError as exc:
         print(f"distlm.export: error: {exc}", file=sys.stderr)

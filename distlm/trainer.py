@@ -365,17 +365,31 @@ class Trainer:
         """Every data-parallel replica must hold bit-identical parameters after every update."""
         if self.dp_group is None:
             return
-        mine = torch.stack([p.detach().double().sum() for p in self.model.parameters()]).cpu()
+        mine = torch.stack([_bitwise_digest(p) for p in self.model.parameters()]).cpu()
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dp_group))]
         dist.all_gather(gathered, mine, group=self.dp_group)
         names = [n for n, _ in unwrap(self.model).named_parameters()]
-        for rank, theirs in enumerate(gathered):
-            diff = (theirs != gathered[0]).nonzero()
-            if len(diff):
+        ranks = dist.get_process_group_ranks(self.dp_group)
+        for rank, theirs in zip(ranks, gathered):
+            differs = (theirs != gathered[0]).any(dim=1).nonzero()
+            if len(differs):
                 raise RuntimeError(
-                    f"--check-replicas: after update {self.num_updates}, parameter {names[int(diff[0])]} "
-                    f"differs between data-parallel ranks 0 and {rank}"
+                    f"--check-replicas: after update {self.num_updates}, parameter {names[int(differs[0])]} "
+                    f"differs between data-parallel ranks {ranks[0]} and {rank}"
                 )
+
+
+def _bitwise_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of the tensor's bits: their plain sum and a position-weighted sum.
+
+    Comparing bits (not float sums) catches differences that cancel numerically, and
+    the weights catch elements that merely swapped places.
+    """
+    flat = tensor.detach().contiguous().view(-1)
+    word = torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2 else torch.int64
+    bits = flat.view(word).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()])
 
 
 class _UpdateBatches(torch.utils.data.Dataset):

@@ -1,0 +1,183 @@
+"""``python -m distlm.export``: a trained checkpoint becomes one safetensors file under the
+single-device model's parameter names, tied weights stored once, bad paths one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from distlm import checkpoint
+from distlm.config import parse_args
+from distlm.data import load_lm_data
+from distlm.data.dictionary import Dictionary
+from distlm.export import main
+from distlm.models import build_model
+from distlm.trainer import Trainer
+from test_ddp import data_dir  # noqa: F401 - shared fixture
+
+UPDATES = 2
+
+
+def train_args(data: str, save_dir: Path, arch: str = "roberta_tiny") -> list[str]:
+    return [
+        "--data", data, "--arch", arch, "--tokens-per-sample", "32", "--batch-size", "4",
+        "--lr", "1e-3", "--warmup-updates", "1", "--max-update", str(UPDATES), "--log-interval", "1000",
+        "--save-dir", str(save_dir), "--device", "cpu", "--seed", "2",
+    ]
+
+
+@pytest.fixture(scope="module", params=["roberta_tiny", "llama_tiny"])
+def trained(request, data_dir, tmp_path_factory) -> tuple[str, Path]:  # noqa: F811 - pytest fixture
+    """(arch, checkpoint_last.pt) after a few single-process updates."""
+    save_dir = tmp_path_factory.mktemp(request.param)
+    Trainer(parse_args(train_args(data_dir, save_dir, request.param))).fit()
+    return request.param, save_dir / checkpoint.LAST
+
+
+def metadata_of(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def test_export_holds_the_checkpoint_under_single_device_names(trained, tmp_path, capsys):
+    arch, ckpt = trained
+    out = tmp_path / "nested" / "model.safetensors"  # the directory is created
+    assert main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+
+    state = checkpoint.load(ckpt)
+    weights = load_file(str(out))
+    # Every tensor is the checkpoint's, bit for bit and in its dtype.
+    assert weights.keys() == state["model"].keys()
+    for name, value in state["model"].items():
+        assert weights[name].dtype == value.dtype, name
+        assert torch.equal(weights[name], value), name
+
+    # The names are the single-device model's own: no DDP or compile prefixes.
+    assert not [n for n in weights if n.startswith(("module.", "_orig_mod.")) or "._orig_mod." in n]
+    dictionary = Dictionary.from_symbols(state["dictionary"])
+    model = build_model(arch, vocab_size=len(dictionary), padding_idx=dictionary.pad())
+    assert sorted(weights) == sorted(name for name, _ in model.named_parameters())
+    model.load_state_dict(weights, strict=True)  # the file is directly usable
+
+    metadata = metadata_of(out)
+    assert metadata["arch"] == arch
+    assert metadata["task"] == {"roberta_tiny": "masked_lm", "llama_tiny": "causal_lm"}[arch]
+    assert json.loads(metadata["dictionary"]) == state["dictionary"] == list(dictionary.symbols)
+    assert metadata["num_updates"] == str(UPDATES)
+    # Neither built-in model registers a tied weight twice (roberta passes its
+    # embedding to the LM head at call time), so there is no alias to list.
+    assert json.loads(metadata["tied_weights"]) == {}
+
+
+class TiedLM(torch.nn.Module):
+    """A user model whose output projection is registered as the embedding itself."""
+
+    def __init__(self, vocab_size: int, dim: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(input_ids)))
+
+
+def test_tied_weights_are_stored_once_and_their_alias_listed(data_dir, tmp_path):  # noqa: F811
+    data = load_lm_data(data_dir, split="train", task="causal_lm", tokens_per_sample=32)
+    torch.manual_seed(0)
+    model = TiedLM(len(data.dictionary))
+    initial = model.embed.weight.detach().clone()
+    config = parse_args(train_args(data_dir, tmp_path / "ckpt") + ["--task", "causal_lm"])
+    Trainer(config, model=model, train_data=data).fit()
+    ckpt = tmp_path / "ckpt" / checkpoint.LAST
+    state = checkpoint.load(ckpt)
+    assert state["model"].keys() == {"embed.weight", "norm.weight", "norm.bias", "head.weight"}
+
+    out = tmp_path / "tied.safetensors"
+    assert main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    weights = load_file(str(out))
+    assert sorted(weights) == sorted(name for name, _ in TiedLM(len(data.dictionary)).named_parameters())
+    assert sorted(weights) == ["embed.weight", "norm.bias", "norm.weight"]
+    metadata = metadata_of(out)
+    assert json.loads(metadata["tied_weights"]) == {"head.weight": "embed.weight"}
+    assert metadata["arch"] == "TiedLM" and metadata["task"] == "causal_lm"
+    for alias, target in json.loads(metadata["tied_weights"]).items():
+        assert torch.equal(weights[target], state["model"][alias])
+    for name, value in weights.items():
+        assert torch.equal(value, state["model"][name]), name
+    # The trained tensor, not the initial one, and still a single tensor in the model.
+    assert not torch.equal(weights["embed.weight"], initial)
+    assert model.head.weight is model.embed.weight
+
+
+def test_bad_checkpoint_paths_are_one_line_errors_in_process(tmp_path, capsys):
+    missing = tmp_path / "nope" / "checkpoint_last.pt"
+    out = tmp_path / "x.safetensors"
+    assert main(["--checkpoint", str(missing), "--out", str(out)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("distlm.export: error:") and str(missing) in lines[0], lines
+    assert not out.exists()
+
+    corrupt = tmp_path / "checkpoint_last.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    assert main(["--checkpoint", str(corrupt), "--out", str(out)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and str(corrupt) in lines[0], lines
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("trained", ["roberta_tiny"], indirect=True)  # one arch is enough here
+def test_export_as_a_process_exit_codes(trained, tmp_path):
+    """The module's own entry point: exit 0 with the file written; exit 2 and one line for a missing path."""
+    _, ckpt = trained
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "model.safetensors"
+    missing = tmp_path / "missing.pt"
+    commands = {
+        "ok": ["--checkpoint", str(ckpt), "--out", str(out)],
+        "missing": ["--checkpoint", str(missing), "--out", str(tmp_path / "never.safetensors")],
+    }
+    # Both processes at once: each spends most of its time importing torch.
+    procs = {
+        key: subprocess.Popen([sys.executable, "-m", "distlm.export", *argv], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for key, argv in commands.items()
+    }
+    results = {key: (proc, *proc.communicate(timeout=120)) for key, proc in procs.items()}
+
+    proc, stdout, stderr = results["ok"]
+    assert proc.returncode == 0, stderr
+    assert stdout.strip() == f"wrote {out}"
+    weights = load_file(str(out))
+    state = checkpoint.load(ckpt)
+    assert weights.keys() == state["model"].keys()
+    assert all(torch.equal(weights[name], value) for name, value in state["model"].items())
+
+    proc, stdout, stderr = results["missing"]
+    assert proc.returncode == 2
+    assert "Traceback" not in stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and lines[0] == f"distlm.export: error: --checkpoint {missing}: no such file", lines
+    assert not (tmp_path / "never.safetensors").exists()
+
+
+@pytest.mark.parametrize("trained", ["roberta_tiny"], indirect=True)
+def test_out_that_is_a_directory_is_a_one_line_error(trained, tmp_path, capsys):
+    _, ckpt = trained
+    assert main(["--checkpoint", str(ckpt), "--out", str(tmp_path)]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "--out" in lines[0] and str(tmp_path) in lines[0], lines
