@@ -108,6 +108,14 @@ class DistributedConfig:
     """fairseq name for the DDP implementation; c10d (or pytorch_ddp) means --strategy ddp."""
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB; all-reduce of a full bucket overlaps the rest of backward."""
+    comm_hook: str = "allreduce"
+    """How each DDP gradient bucket is averaged: allreduce|fp16|bf16|hierarchical|hierarchical-fp16."""
+    double_buffering: bool = False
+    """ChainerMN double buffering: update t applies update t-1's averaged gradients while t's are in flight."""
+    ranks_per_node: int | None = None
+    """Ranks per node for the hierarchical hook; default: the launcher's local world size (set it to simulate nodes)."""
+    comm_transport: str = "torch"
+    """Gradient all-reduce transport: torch (the process group: gloo/NCCL) or mpi (mpi4py, under mpiexec)."""
     network: str = "auto"
     """auto|efa|tcp: efa applies the EFA/NCCL preset (CUDA only); auto applies it when an EFA device exists."""
     timeout_sec: float = 300.0
@@ -183,6 +191,8 @@ CHOICES = {
     "strategy": ("ddp",),
     "ddp_backend": ("c10d", "pytorch_ddp"),
     "network": ("auto", "efa", "tcp"),
+    "comm_hook": ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16"),
+    "comm_transport": ("torch", "mpi"),
     "log_format": ("json", "simple", "tqdm"),
 }
 
@@ -392,5 +402,7 @@ def validate(config: TrainConfig) -> None:
         raise UsageError(f"--min-loss-scale must be positive, got {config.precision.min_loss_scale}")
     if config.distributed.bucket_cap_mb <= 0:
         raise UsageError(f"--bucket-cap-mb must be positive, got {config.distributed.bucket_cap_mb}")
+    if config.distributed.ranks_per_node is not None and config.distributed.ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be at least 1, got {config.distributed.ranks_per_node}")
     if config.distributed.timeout_sec <= 0:
         raise UsageError(f"--timeout-sec must be positive, got {config.distributed.timeout_sec}")

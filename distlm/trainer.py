@@ -26,13 +26,13 @@ from distlm.backends.registry import get_backend
 from distlm.config import TrainConfig, validate
 from distlm.data import GlobalBatchSampler, load_lm_data
 from distlm.data.dictionary import Dictionary
-from distlm.env import ClusterEnv, ExplicitLaunch
+from distlm.env import ClusterEnv, ExplicitLaunch, resolve_master_via_mpi
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.metrics import TrainStats, Printer
 from distlm.models import arch_task, build_model
 from distlm.optim import LRSchedule, build_optimizer
-from distlm.parallel.api import parallelize, unwrap
+from distlm.parallel.api import build_comm_hook, parallelize, unwrap
 from distlm.precision import Precision, grads_are_finite
 
 logger = logging.getLogger("distlm")
@@ -65,6 +65,8 @@ class Trainer:
                 init_method=dist_cfg.distributed_init_method,
             )
         )
+        if self.env.launcher == "mpi" and self.env.is_distributed:
+            self.env = resolve_master_via_mpi(self.env)  # mpiexec exports no master address
         self.is_main = self.env.rank == 0
         self.backend = get_backend(dist_cfg.device)
         self.backend.setup(self.env, config.precision_mode, dist_cfg.network)
@@ -91,7 +93,14 @@ class Trainer:
             config.precision.fp16_scale_window,
             config.precision.min_loss_scale,
         )
-        self.model = parallelize(self.model, self.dims, dist_cfg, self.device)
+        self.comm_hook = None
+        if self.dims.dp_enabled and dist_cfg.strategy == "ddp":
+            ranks_per_node = dist_cfg.ranks_per_node or self.env.local_world_size
+            self.comm_hook = build_comm_hook(dist_cfg, self.dims, ranks_per_node, self.device.type)
+        elif dist_cfg.comm_hook != "allreduce" or dist_cfg.double_buffering or dist_cfg.comm_transport != "torch":
+            logger.info("one data-parallel replica: no gradient all-reduce, so the comm hook settings do nothing")
+        self.model = parallelize(self.model, self.dims, dist_cfg, self.device, self.comm_hook)
+        self._inflight_loss_scale = 1.0
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data),
@@ -182,6 +191,10 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        if self._double_buffered:
+            # In-flight gradients are not saved: a resumed run refills the pipeline with
+            # one update that applies nothing, as the first update of any run does.
+            self.comm_hook[1].wait_pending()
         if self.config.checkpoint.no_save:
             return
         state = self._checkpoint_state()  # collective: every rank takes part
@@ -236,7 +249,13 @@ class Trainer:
                 stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"), record.pop("samples"))
                 printer.progress()
                 if self.num_updates % cfg.logging.log_interval == 0 or self._done():
-                    summary = {"update": self.num_updates, **stats.reduce(self.dp_group), **record, "train_wall": round(train_wall, 2)}
+                    summary = {
+                        "update": self.num_updates,
+                        **stats.reduce(self.dp_group),
+                        **record,
+                        "gnorm": round(record["gnorm"], 3),
+                        "train_wall": round(train_wall, 2),
+                    }
                     printer.log(summary)
                     stats.reset()
                 interval = cfg.checkpoint.save_interval_updates
@@ -282,6 +301,9 @@ class Trainer:
         # DDP averages gradients over replicas; multiplying by their number makes the
         # result the gradient of (summed loss / global target tokens): normalised once.
         scale = self.dims.dp * self.precision.loss_scale / max(global_targets, 1)
+        # With double buffering the gradients that come back now were scaled one update ago.
+        gradient_loss_scale = self._inflight_loss_scale if self._double_buffered else self.precision.loss_scale
+        self._inflight_loss_scale = self.precision.loss_scale
 
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -294,10 +316,13 @@ class Trainer:
             loss_sum += loss.detach().double().cpu()
 
         lr = self.schedule.apply(self.optimizer, self.num_updates + 1)
-        gnorm = self._unscale_and_clip()
+        gnorm = self._unscale_and_clip(gradient_loss_scale)
         overflow = not grads_are_finite(gnorm)
+        pipeline_filling = self._double_buffer_filling()
         if overflow:
             logger.info("update %d: gradient overflow at loss scale %g, update skipped", self.num_updates + 1, self.precision.loss_scale)
+        elif pipeline_filling:
+            logger.info("double buffering: the first update's gradients are still in flight; it applies no update")
         else:
             self.backend.optimizer_step(self.optimizer)
             self.num_updates += 1
@@ -315,11 +340,19 @@ class Trainer:
             "input_tokens": sum(int((b["input_ids"] != self._pad).sum()) for b in micro_batches),
             "samples": sum(len(b["input_ids"]) for b in micro_batches),
             "lr": float(f"{lr:.6g}"),
-            "gnorm": round(float(gnorm), 3),
+            "gnorm": float(gnorm),
         }
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.loss_scale
         return record
+
+    @property
+    def _double_buffered(self) -> bool:
+        return self.comm_hook is not None and self.comm_hook[1] is not None
+
+    def _double_buffer_filling(self) -> bool:
+        """True on the first update with double buffering, whose gradients are not back yet."""
+        return self._double_buffered and self.comm_hook[1].first_step
 
     @property
     def _pad(self) -> int:
@@ -351,10 +384,10 @@ class Trainer:
         dist.all_reduce(total, group=self.dp_group)
         return int(total.item())
 
-    def _unscale_and_clip(self) -> torch.Tensor:
+    def _unscale_and_clip(self, loss_scale: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.precision.scaler is not None:
-            torch._foreach_mul_([p.grad for p in params], 1.0 / self.precision.loss_scale)
+        if loss_scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / loss_scale)
         max_norm = self.config.optim.clip_norm or math.inf
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 

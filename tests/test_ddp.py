@@ -42,12 +42,13 @@ def common_args(data_dir: str, save_dir: str, arch: str = "roberta_tiny") -> lis
 
 
 def train(args: list[str], updates: int = UPDATES) -> dict:
-    """Run ``updates`` updates; return parameters and per-update global gradient norms."""
+    """Run ``updates`` updates; return initial and final parameters and per-update global gradient norms."""
     trainer = Trainer(parse_args(args))
+    initial = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
     batches = trainer.update_batches()
     gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(updates)]
     params = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
-    return {"params": params, "gnorms": gnorms}
+    return {"initial": initial, "params": params, "gnorms": gnorms}
 
 
 def assert_params_close(actual: dict, expected: dict, atol: float) -> None:

@@ -8,6 +8,7 @@ the rest. This module is the single place where communication hooks are register
 from __future__ import annotations
 
 import inspect
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,10 @@ def apply_ddp(
     device: torch.device,
     process_group: dist.ProcessGroup | None,
     bucket_cap_mb: float,
+    comm_hook: tuple[Callable, Any] | None = None,
 ) -> DistributedDataParallel:
-    return DistributedDataParallel(
+    """torch DDP; ``comm_hook`` is ``(hook, state)`` from parallel/api.py, or None for DDP's own all-reduce."""
+    ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         process_group=process_group,
@@ -29,6 +32,10 @@ def apply_ddp(
         gradient_as_bucket_view=True,
         **_no_buffer_sync_per_forward(),
     )
+    if comm_hook is not None:
+        hook, state = comm_hook
+        ddp.register_comm_hook(state, hook)
+    return ddp
 
 
 def _no_buffer_sync_per_forward() -> dict[str, bool]:

@@ -1,0 +1,430 @@
+"""Gradient-reduction algorithms as DDP communication hooks (ChainerMN's leaf communicators).
+
+Three layers, each small:
+
+* a **transport** does one flat in-place all-reduce (sum) over one group:
+  ``TorchTransport`` (gloo on CPU, NCCL on CUDA); an MPI one plugs in with the same members;
+* a **reducer** ``reduce(flat) -> Future[flat averaged over the data-parallel ranks]`` is one
+  algorithm: plain, half precision, hierarchical (optionally half precision between nodes);
+* **hooks** adapt a reducer to DDP: ``ddp_hook`` (the averaged bucket now) and
+  ``double_buffered_hook`` (ChainerMN double buffering: the averaged bucket of the step before).
+
+Every collective is issued in the reducer's body, never inside a ``Future.then`` callback:
+on gloo, collectives issued from callbacks fail at random ("Received data size doesn't match
+expected size"). Where one leg needs the previous leg's result, the body waits for it; only
+pure computation (cast back, copy out) runs in callbacks.
+
+Process groups are arguments; nothing here lives in module globals.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from distlm.errors import UsageError
+
+REDUCER_KINDS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
+
+Reducer = Callable[[torch.Tensor], "Future[torch.Tensor]"]
+
+
+# ---------------------------------------------------------------------------------------
+# Transports
+# ---------------------------------------------------------------------------------------
+
+
+class Transport(Protocol):
+    """One flat all-reduce leg over one group."""
+
+    size: int
+    """Number of ranks in the group."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        """Sum ``tensor`` in place over the group. The collective is issued before this
+        returns; the future resolves to ``tensor`` itself."""
+        ...
+
+
+class TorchTransport:
+    """torch.distributed over ``group`` (``None``: the world): gloo on CPU, NCCL on CUDA."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return _then(work.get_future(), lambda: tensor)
+
+    def __repr__(self) -> str:
+        return f"TorchTransport(size={self.size})"
+
+
+def _then(future: Future, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
+    """``future.then`` for pure computation; a failed collective re-raises instead of being dropped."""
+
+    def callback(done: Future) -> torch.Tensor:
+        done.value()  # raises the collective's error, if any
+        return fn()
+
+    return future.then(callback)
+
+
+def _completed(tensor: torch.Tensor) -> Future[torch.Tensor]:
+    future: Future[torch.Tensor] = Future()
+    future.set_result(tensor)
+    return future
+
+
+def _half_sum(transport: Transport, tensor: torch.Tensor, dtype: torch.dtype) -> Future[torch.Tensor]:
+    """All-reduce ``tensor`` (already divided by the world size) in ``dtype``, cast back into it."""
+    if tensor.dtype == dtype:
+        return transport.all_reduce_sum(tensor)
+    half = tensor.to(dtype)
+    return _then(transport.all_reduce_sum(half), lambda: tensor.copy_(half))
+
+
+# torch 2.13 renamed these (the old names warn); older releases (Neuron's torch-xla
+# stacks) know only the old ones. Same arguments.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check_half_dtype(dtype: torch.dtype) -> None:
+    if not dtype.is_floating_point:
+        raise ValueError(f"reduction dtype must be floating point, got {dtype}")
+
+
+# ---------------------------------------------------------------------------------------
+# Reducers: reduce(flat) -> Future of the data-parallel mean of flat (same shape and dtype)
+# ---------------------------------------------------------------------------------------
+
+
+class AllReduceReducer:
+    """Divide by the group size, then one all-reduce (sum): what DDP does by default."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def __call__(self, flat: torch.Tensor) -> Future[torch.Tensor]:
+        flat.div_(self.transport.size)
+        return self.transport.all_reduce_sum(flat)
+
+    def __repr__(self) -> str:
+        return f"allreduce over {self.transport.size} ranks"
+
+
+class HalfPrecisionReducer:
+    """All-reduce in fp16 or bf16: half the bytes on the wire, the result cast back into ``flat``.
+
+    Works on gloo (torch's stock ``bf16_compress_hook`` refuses to run without NCCL).
+
+    Each rank divides by the world size n *before* casting, so every value on the wire
+    and every partial sum of the all-reduce is bounded by ``max_i |g_i|`` (a sum of n terms
+    each at most ``max|g| / n``). fp16 therefore cannot overflow while every rank's gradient
+    fits in fp16 (all ``|g_i| <= 65504``, its largest finite value), up to rounding: where
+    n is not a power of two, ``g_i / n`` rounds, and values within about ``n * 2**-11`` of
+    65504 may still round up to inf. Summing first and dividing after would overflow as
+    soon as the *sum* passed 65504: two ranks each holding 60000 give inf that way and
+    60000 here. bf16 has fp32's exponent range, so it cannot overflow where fp32 would not.
+
+    Accuracy, with u the unit roundoff of ``dtype`` (2**-11 for fp16, 2**-8 for bf16; eps=2u):
+    one rounding of each ``g_i / n`` plus n - 1 rounded additions whose partial sums are
+    bounded by ``S = sum_i |g_i| / n`` give ``|result - mean| <= n * u * S * (1 + u)``,
+    so at most ``(n / 2) * eps * max|g|``. The cast back to fp32 is exact.
+
+    The price of dividing first is at the small end, and matters for fp16 only: a
+    ``g_i / n`` below fp16's smallest normal 2**-14 (6.1e-5), i.e. ``|g_i| < n * 6.1e-5``,
+    is subnormal and keeps only an absolute accuracy of 2**-25 (3.0e-8) instead of the
+    relative 2**-11, and ``|g_i| < n * 2**-25`` (n * 3.0e-8) flushes to zero; together at
+    most ``n * 2**-25`` absolute error on the mean. That is log2(n) bits more of the small
+    end lost than casting undivided gradients would lose. fp16 training scales the loss
+    (and so the gradients) up, which keeps them clear of that range; bf16's normal range
+    reaches down to 1.2e-38, so there the division costs nothing.
+    """
+
+    def __init__(self, transport: Transport, dtype: torch.dtype) -> None:
+        _check_half_dtype(dtype)
+        self.transport = transport
+        self.dtype = dtype
+
+    def __call__(self, flat: torch.Tensor) -> Future[torch.Tensor]:
+        flat.div_(self.transport.size)
+        return _half_sum(self.transport, flat, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"{_dtype_name(self.dtype)} allreduce over {self.transport.size} ranks"
+
+
+class HierarchicalReducer:
+    """ChainerMN's hierarchical communicator, in three legs issued one after the other:
+
+    1. reduce-scatter the (padded) flat buffer inside the node: each local rank gets the
+       node's sum of one 1/L shard;
+    2. all-reduce that shard across nodes among the ranks with the same local rank, through
+       ``inter_transport``, optionally in ``half_dtype`` (``hierarchical-fp16``: only this
+       leg, where bandwidth is scarce, is in half precision; the intra-node legs stay fp32);
+    3. all-gather the shards inside the node and drop the padding.
+
+    The shard is divided by the world size before the inter-node leg, so with a half
+    precision leg the bound of ``HalfPrecisionReducer`` holds with n the number of nodes
+    and the node sums ``/ world`` as inputs: no overflow unless a node's gradient sum / L
+    would, and ``|error| <= nodes * u * sum_nodes |node_sum| / world`` plus fp32 rounding.
+
+    With one node (``inter_transport`` None or of size 1) the inter-node leg is skipped;
+    with one rank per node the intra-node legs are.
+    """
+
+    def __init__(
+        self,
+        intra_group: dist.ProcessGroup | None,
+        inter_transport: Transport | None,
+        half_dtype: torch.dtype | None = None,
+    ) -> None:
+        if half_dtype is not None:
+            _check_half_dtype(half_dtype)
+        self.intra_group = intra_group
+        self.local_size = dist.get_world_size(intra_group)
+        self.inter = inter_transport if inter_transport is not None and inter_transport.size > 1 else None
+        self.num_nodes = inter_transport.size if inter_transport is not None else 1
+        self.world_size = self.local_size * self.num_nodes
+        self.half_dtype = half_dtype
+
+    def _inter_leg(self, shard: torch.Tensor) -> Future[torch.Tensor]:
+        if self.inter is None:
+            return _completed(shard)
+        if self.half_dtype is None:
+            return self.inter.all_reduce_sum(shard)
+        return _half_sum(self.inter, shard, self.half_dtype)
+
+    def __call__(self, flat: torch.Tensor) -> Future[torch.Tensor]:
+        if self.local_size == 1:
+            flat.div_(self.world_size)
+            return self._inter_leg(flat)
+        numel = flat.numel()
+        shard_numel = -(-numel // self.local_size)
+        if shard_numel * self.local_size == numel:
+            padded = flat
+        else:
+            padded = flat.new_zeros(shard_numel * self.local_size)
+            padded[:numel].copy_(flat)
+        shard = flat.new_empty(shard_numel)
+        _reduce_scatter(shard, padded, group=self.intra_group)
+        shard.div_(self.world_size)
+        self._inter_leg(shard).wait()
+        # The all-gather writes over the padded input, which the reduce-scatter is done with.
+        work = _all_gather(padded, shard, group=self.intra_group, async_op=True)
+        if padded is flat:
+            return _then(work.get_future(), lambda: flat)
+        return _then(work.get_future(), lambda: flat.copy_(padded[:numel]))
+
+    def __repr__(self) -> str:
+        inter = "" if self.half_dtype is None else f", {_dtype_name(self.half_dtype)} between nodes"
+        return f"hierarchical allreduce over {self.num_nodes} nodes x {self.local_size} ranks{inter}"
+
+
+def allreduce_reducer(transport: Transport) -> AllReduceReducer:
+    return AllReduceReducer(transport)
+
+
+def half_precision_reducer(transport: Transport, dtype: torch.dtype) -> HalfPrecisionReducer:
+    return HalfPrecisionReducer(transport, dtype)
+
+
+def hierarchical_reducer(
+    intra_group: dist.ProcessGroup | None,
+    inter_transport: Transport | None,
+    half_dtype: torch.dtype | None = None,
+) -> HierarchicalReducer:
+    return HierarchicalReducer(intra_group, inter_transport, half_dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# Topology: simulated or real nodes as a ("node", "local") device mesh
+# ---------------------------------------------------------------------------------------
+
+
+class NodeGroups(NamedTuple):
+    intra: dist.ProcessGroup
+    """The ranks of this rank's node."""
+    inter: dist.ProcessGroup
+    """The ranks with this rank's local rank, one per node."""
+
+
+def validate_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
+    """The number of nodes; UsageError unless ``ranks_per_node`` divides the world size."""
+    if ranks_per_node is None:
+        raise UsageError("--comm-hook hierarchical needs --ranks-per-node (the number of ranks on each node)")
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise UsageError(
+            f"--ranks-per-node {ranks_per_node} does not divide the world size {world_size}; "
+            "give the number of ranks on each node (every node must run as many)"
+        )
+    return world_size // ranks_per_node
+
+
+def node_groups(ranks_per_node: int, world_size: int, device_type: str = "cpu") -> NodeGroups:
+    """Intra-node and inter-node groups of a (nodes, ranks_per_node) mesh over all ranks.
+
+    Consecutive ranks share a node, as every launcher numbers them. Called on every rank.
+    """
+    num_nodes = validate_ranks_per_node(ranks_per_node, world_size)
+    if world_size != dist.get_world_size():
+        raise ValueError(f"node_groups spans all ranks: world_size {world_size} != {dist.get_world_size()}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (num_nodes, ranks_per_node), mesh_dim_names=("node", "local"))
+    return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())
+
+
+# ---------------------------------------------------------------------------------------
+# The one entry point for the trainer
+# ---------------------------------------------------------------------------------------
+
+
+def build_reducer(
+    kind: str,
+    dp_group: dist.ProcessGroup | None,
+    *,
+    ranks_per_node: int | None,
+    device_type: str,
+    inter_transport_factory: Callable[[dist.ProcessGroup | None], Transport] | None = None,
+) -> Reducer:
+    """The reducer of ``--comm-hook kind`` over ``dp_group``; call it on every rank together.
+
+    ``inter_transport_factory(group)`` makes the transport of the flat leg (allreduce, fp16,
+    bf16) or of the inter-node leg (hierarchical*); default ``TorchTransport``.
+    ``ranks_per_node`` is used by the hierarchical kinds only.
+    """
+    if kind not in REDUCER_KINDS:
+        raise UsageError(f"--comm-hook {kind!r} is unknown; choose one of {', '.join(REDUCER_KINDS)}")
+    make_transport = inter_transport_factory or TorchTransport
+    if kind == "allreduce":
+        return allreduce_reducer(make_transport(dp_group))
+    if kind in ("fp16", "bf16"):
+        return half_precision_reducer(make_transport(dp_group), torch.float16 if kind == "fp16" else torch.bfloat16)
+
+    dp_size = dist.get_world_size(dp_group)
+    num_nodes = validate_ranks_per_node(ranks_per_node, dp_size)
+    if dp_size != dist.get_world_size():
+        raise UsageError(
+            f"--comm-hook {kind} needs data parallelism over all {dist.get_world_size()} ranks, "
+            f"but the data-parallel group has {dp_size}; drop --tp-degree or use --comm-hook allreduce"
+        )
+    intra, inter = node_groups(ranks_per_node, dp_size, device_type)
+    # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
+    inter_transport = make_transport(inter) if num_nodes > 1 else None
+    return hierarchical_reducer(intra, inter_transport, torch.float16 if kind == "hierarchical-fp16" else None)
+
+
+# ---------------------------------------------------------------------------------------
+# DDP hooks
+# ---------------------------------------------------------------------------------------
+
+
+def ddp_hook(reducer: Reducer) -> Callable[[object, dist.GradBucket], Future[torch.Tensor]]:
+    """A DDP communication hook averaging each bucket with ``reducer``.
+
+    Register with ``model.register_comm_hook(None, ddp_hook(reducer))``. The reducer
+    divides by the world size itself, as DDP's default does (a hook replaces that).
+    """
+
+    def hook(state, bucket):  # no annotations: see double_buffered_allreduce_hook
+        return reducer(bucket.buffer())
+
+    hook.__name__ = hook.__qualname__ = f"distlm_{type(reducer).__name__}_hook"
+    return hook
+
+
+class DoubleBufferState:
+    """State of ``double_buffered_hook``: the in-flight reductions of the last backward.
+
+    Stale results are kept per parameter, not per bucket index: DDP rebuilds its buckets
+    after the first iteration (in the order gradients became ready), so bucket ``i`` of
+    step 2 generally holds other parameters than bucket ``i`` of step 1.
+    """
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = reducer
+        # id(param) -> (future of the averaged copy of its bucket, offset of param in it, numel)
+        self._pending: dict[int, tuple[Future[torch.Tensor], int, int]] = {}
+        # Parameters whose latest hook call returned zeros (no previous result existed).
+        self._without_previous: set[int] = set()
+        self._seen = False
+
+    @property
+    def first_step(self) -> bool:
+        """True when the latest backward delivered zeros for some parameter, having no
+        previous step's result for it: after the very first backward (and before any).
+        The trainer skips (and logs) that update."""
+        return not self.has_stale_gradients()
+
+    def has_stale_gradients(self) -> bool:
+        """True when the latest backward delivered, for every parameter, the averaged
+        gradient of the backward before it: the update may be applied."""
+        return self._seen and not self._without_previous
+
+    def wait_pending(self) -> None:
+        """Wait for the reductions still in flight (before a checkpoint or at the end, so no
+        collective is left running). Their results stay pending for the next step."""
+        for future in {id(f): f for f, _, _ in self._pending.values()}.values():
+            future.wait()
+
+    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        base = buffer.data_ptr()
+        itemsize = buffer.element_size()
+        # (param id, offset, numel) in this bucket's layout; gradients() are views of the buffer.
+        layout = [
+            (id(param), (grad.data_ptr() - base) // itemsize, grad.numel())
+            for param, grad in zip(bucket.parameters(), bucket.gradients())
+        ]
+        previous = [self._pending.get(key) for key, _, _ in layout]
+
+        # DDP reuses the bucket buffer for the next backward: reduce a copy of it, issued now.
+        future = self.reducer(buffer.clone())
+        for key, offset, numel in layout:
+            self._pending[key] = (future, offset, numel)
+
+        self._seen = True
+        stale = torch.zeros_like(buffer)
+        for (key, offset, numel), entry in zip(layout, previous):
+            if entry is None:
+                self._without_previous.add(key)
+                continue
+            self._without_previous.discard(key)
+            old_future, old_offset, old_numel = entry
+            assert old_numel == numel, "a parameter changed size between steps"
+            stale[offset : offset + numel].copy_(old_future.wait()[old_offset : old_offset + numel])
+        return _completed(stale)
+
+
+def double_buffered_allreduce_hook(state, bucket):
+    """DDP hook: issue this step's reduction of ``bucket`` and return the previous step's.
+
+    ``state`` is a ``DoubleBufferState``, ``bucket`` a ``dist.GradBucket``. Hooks carry no
+    annotations: DDP compares them with the real classes, and this module's postponed
+    (string) annotations would fail that check."""
+    return state.hook(bucket)
+
+
+def double_buffered_hook(reducer: Reducer) -> tuple[Callable[..., Future[torch.Tensor]], DoubleBufferState]:
+    """ChainerMN double buffering around any reducer: ``(hook, state)`` for
+    ``model.register_comm_hook(state, hook)``.
+
+    The update of step t applies the averaged gradients of step t-1 while step t's
+    reduction runs in the background (one step of staleness). After the first backward
+    every gradient is zero and ``state.first_step`` is True: skip that update, since
+    weight decay or momentum would still move the weights. Costs one extra copy of the
+    gradients (the copy being reduced) plus the zero-filled result per bucket.
+    """
+    state = DoubleBufferState(reducer)
+    return double_buffered_allreduce_hook, state
