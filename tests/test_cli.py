@@ -123,3 +123,12 @@ def test_entry_point_process_exits_2_without_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("distlm: error: --arch nope")
+
+
+def test_example_configs_parse():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.toml"))
+    assert configs
+    for path in configs:
+        parse_args(["--config", str(path)])
