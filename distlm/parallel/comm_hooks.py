@@ -44,8 +44,10 @@ class Transport(Protocol):
     """Number of ranks in the group."""
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
-        """Sum ``tensor`` in place over the group. The collective is issued before this
-        returns; the future resolves to ``tensor`` itself."""
+        """Sum ``tensor`` in place over the group; the future resolves to ``tensor`` itself.
+
+        The collective is started (or queued, for MPI's communication thread) before this
+        returns, in call order, so every rank runs the same sequence of collectives."""
         ...
 
 
@@ -175,8 +177,9 @@ class HierarchicalReducer:
     and the node sums ``/ world`` as inputs: no overflow unless a node's gradient sum / L
     would, and ``|error| <= nodes * u * sum_nodes |node_sum| / world`` plus fp32 rounding.
 
-    With one node (``inter_transport`` None or of size 1) the inter-node leg is skipped;
-    with one rank per node the intra-node legs are.
+    With one node (``inter_transport`` None or of size 1) there is nothing to arrange
+    hierarchically: the node's own all-reduce is the whole algorithm, and costs what the
+    flat one does. With one rank per node the intra-node legs are skipped.
     """
 
     def __init__(
@@ -205,6 +208,9 @@ class HierarchicalReducer:
         if self.local_size == 1:
             flat.div_(self.world_size)
             return self._inter_leg(flat)
+        if self.inter is None:
+            flat.div_(self.world_size)
+            return TorchTransport(self.intra_group).all_reduce_sum(flat)
         numel = flat.numel()
         shard_numel = -(-numel // self.local_size)
         if shard_numel * self.local_size == numel:
