@@ -1,6 +1,7 @@
 """distlm's DDP step time against a hand-written raw torch DDP loop, interleaved.
 
     torchrun --nproc_per_node 2 benchmarks/ddp_step.py [--rounds 12 --steps 5]
+    mpiexec -n 2 python benchmarks/ddp_step.py --mpi     # adds distlm with --comm-transport mpi
 
 Both loops train the same model from the same weights on the same pre-collated
 batches, so the difference is what distlm adds per update (global token count,
@@ -12,6 +13,8 @@ and the median of the per-round ratios. Prints one JSON object (rank 0).
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -23,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distlm.config import parse_args
 from distlm.models import build_model
-from distlm.parallel.api import unwrap
+from distlm.optim import build_optimizer
+from distlm.parallel.api import build_comm_hook, parallelize, unwrap
 from distlm.trainer import Trainer
 
 
@@ -55,6 +59,25 @@ def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float):
     return step
 
 
+def mpi_transport_step(trainer: Trainer):
+    """distlm's own update on a second DDP replica of the model whose buckets go through mpi4py."""
+    mpi_cfg = dataclasses.replace(trainer.config.distributed, comm_transport="mpi")
+    hook = build_comm_hook(mpi_cfg, trainer.dims, trainer.env.local_world_size, trainer.device.type)
+    model = parallelize(copy.deepcopy(unwrap(trainer.model)), trainer.dims, mpi_cfg, trainer.device, hook)
+    optimizer = build_optimizer(model.parameters(), trainer.config.optim, torch.float32)
+
+    def step(micro_batches):
+        # The same Trainer.train_step, pointed at the MPI replica for the duration of one update.
+        saved = trainer.model, trainer.optimizer
+        trainer.model, trainer.optimizer = model, optimizer
+        try:
+            trainer.train_step(micro_batches)
+        finally:
+            trainer.model, trainer.optimizer = saved
+
+    return step
+
+
 def timed(step, batches, steps: int) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -72,6 +95,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--tokens-per-sample", type=int, default=128)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--mpi", action="store_true", help="under mpiexec: also time distlm's update with --comm-transport mpi")
     args = parser.parse_args()
 
     config = parse_args([
@@ -88,16 +112,29 @@ def main() -> None:
     timed(trainer.train_step, batches, 2)
     timed(raw_step, batches, 2)
 
-    distlm_times, raw_times = [], []
+    contenders = {"distlm": trainer.train_step, "raw": raw_step}
+    if args.mpi:
+        contenders["distlm_mpi"] = mpi_transport_step(trainer)
+        timed(contenders["distlm_mpi"], batches, 2)
+    times = {name: [] for name in contenders}
     for round_index in range(args.rounds):
-        order = [("distlm", trainer.train_step), ("raw", raw_step)]
+        order = list(contenders.items())
         if round_index % 2:
             order.reverse()
         for name, step in order:
-            (distlm_times if name == "distlm" else raw_times).append(timed(step, batches, args.steps))
+            times[name].append(timed(step, batches, args.steps))
+    distlm_times, raw_times = times["distlm"], times["raw"]
 
     if dist.get_rank() == 0:
         ratios = [d / r for d, r in zip(distlm_times, raw_times)]
+        transport = {}
+        if args.mpi:
+            transport = {
+                "distlm_mpi_step_s_median": round(statistics.median(times["distlm_mpi"]), 5),
+                "mpi_over_gloo_ratio_of_medians": round(statistics.median(times["distlm_mpi"]) / statistics.median(distlm_times), 4),
+                "mpi_over_gloo_median_of_round_ratios": round(
+                    statistics.median(m / g for m, g in zip(times["distlm_mpi"], distlm_times)), 4),
+            }
         print(json.dumps({
             "benchmark": "ddp_step",
             "world_size": dist.get_world_size(),
@@ -111,6 +148,7 @@ def main() -> None:
             "raw_ddp_step_s_median": round(statistics.median(raw_times), 5),
             "ratio_of_medians": round(statistics.median(distlm_times) / statistics.median(raw_times), 4),
             "median_of_round_ratios": round(statistics.median(ratios), 4),
+            **transport,
         }, indent=2))
     dist.destroy_process_group()
 
