@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from distlm.errors import UsageError
 
@@ -70,6 +77,24 @@ def save(state: dict[str, Any], save_dir: str | os.PathLike, names: list[str]) -
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+# Full (unsharded) state under the single-device model's parameter names, whatever wraps
+# the model (DDP, FSDP2, DTensor tensor parallel): the checkpoint of one strategy and world
+# size loads into another. cpu_offload makes only rank 0 hold the gathered copy.
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_LOAD_FULL = StateDictOptions(full_state_dict=True)
+
+
+def gather_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Model and optimizer state, gathered whole to rank 0 (collective: every rank calls it)."""
+    return get_model_state_dict(model, options=_GATHER), get_optimizer_state_dict(model, optimizer, options=_GATHER)
+
+
+def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Every rank passes the whole state; each keeps its own shard of it."""
+    set_model_state_dict(model, model_state, options=_LOAD_FULL)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=_LOAD_FULL)
 
 
 def capture_rng() -> dict[str, torch.Tensor]:

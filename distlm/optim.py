@@ -37,10 +37,14 @@ class Fp32StateAdamW(torch.optim.Optimizer):
         # exactly the fp32 moments this optimizer exists for; put them back from the saved copy.
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
+        # Saved ids map to parameters by position in the groups, as torch's own loader
+        # maps them (ints from state_dict(), parameter names from torch.distributed.checkpoint).
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
-        for index, entry in saved.items():
-            for key in ("exp_avg", "exp_avg_sq"):
-                self.state[params[index]][key] = entry[key].to(params[index].device, torch.float32, copy=True)
+        for saved_id, param in zip(saved_ids, params):
+            if saved_id in saved:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    self.state[param][key] = saved[saved_id][key].to(param.device, torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -175,12 +175,13 @@ class Trainer:
             rng_by_rank = [None] * self.env.world_size
             dist.all_gather_object(rng_by_rank, rng)
         dictionary = getattr(self.data, "dictionary", None)
+        model_state, optimizer_state = checkpoint.gather_train_state(self.model, self.optimizer)
         return {
             "arch": self.arch,
             "task": self.task,
             "config": self.config.to_dict(),
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": {"num_updates": self.num_updates},
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "rng": rng_by_rank,
@@ -208,8 +209,7 @@ class Trainer:
             dist.barrier()  # nobody resumes or exits before the file is complete
 
     def _restore(self, state: dict[str, Any], path) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        checkpoint.load_train_state(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.precision.scaler is not None and state["scaler"] is not None:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.num_updates = state["num_updates"]

@@ -19,7 +19,8 @@ def one_rank_stalls(args: list[str]) -> str:
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
     if trainer.env.rank == 1:
-        time.sleep(2 * TIMEOUT_SEC)
+        # Long after rank 0's timeout: rank 0 must fail on the timeout, not on this rank leaving.
+        time.sleep(5 * TIMEOUT_SEC)
         return "stalled"
     started = time.monotonic()
     with pytest.raises(CollectiveFailure) as failure:
@@ -34,5 +35,5 @@ def test_stalled_rank_gives_a_timeout_naming_the_ranks(data_dir, tmp_path):
     elapsed, message = results[0].split("|", 1)
     assert "among ranks [0, 1]" in message and "--timeout-sec 3" in message, message
     assert "update 1" in message
-    # It gave up around the timeout, not after the stalled rank came back.
-    assert float(elapsed) < 2 * TIMEOUT_SEC, elapsed
+    # The cause torch reported is the timeout itself, not the stalled rank leaving.
+    assert "timed out" in message.split("): ", 1)[1].lower(), message
