@@ -87,14 +87,59 @@ _LOAD_FULL = StateDictOptions(full_state_dict=True)
 
 
 def gather_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state, gathered whole to rank 0 (collective: every rank calls it)."""
-    return get_model_state_dict(model, options=_GATHER), get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    """Model and optimizer state, gathered whole to rank 0 (collective: every rank calls it).
+
+    The optimizer state is keyed by parameter name, as torch.distributed.checkpoint keys
+    it; ZeRO-1's own gathered state (keyed by position) is renamed to match, so a
+    checkpoint moves between ddp, zero1 and fsdp.
+    """
+    from distlm.parallel.zero1 import Zero1Optimizer
+
+    model_state = get_model_state_dict(model, options=_GATHER)
+    if isinstance(optimizer, Zero1Optimizer):
+        full = optimizer.full_state_dict()
+        return model_state, _rekey(full, dict(enumerate(parameter_names(model)))) if full is not None else {}
+    return model_state, get_optimizer_state_dict(model, optimizer, options=_GATHER)
+
+
+def consolidated_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, under its single-device name, on every rank (collective).
+
+    The same gathering the checkpoint and export use, without the rank-0-only offload.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    names = set(parameter_names(model))
+    return {name: tensor.detach().clone() for name, tensor in state.items() if name in names}
 
 
 def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
     """Every rank passes the whole state; each keeps its own shard of it."""
+    from distlm.parallel.zero1 import Zero1Optimizer
+
     set_model_state_dict(model, model_state, options=_LOAD_FULL)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=_LOAD_FULL)
+    if isinstance(optimizer, Zero1Optimizer):
+        optimizer.load_state_dict(_rekey(optim_state, {n: i for i, n in enumerate(parameter_names(model))}))
+    else:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=_LOAD_FULL)
+
+
+def parameter_names(model: torch.nn.Module) -> list[str]:
+    """Single-device names of ``model.parameters()``, in that order (wrapper prefixes removed)."""
+    wrappers = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+    names = []
+    for name, _ in model.named_parameters():
+        for prefix in wrappers:
+            name = name.replace(prefix, "")
+        names.append(name)
+    return names
+
+
+def _rekey(optim_state: dict, key_of: dict) -> dict:
+    """The same optimizer state with each parameter key replaced through ``key_of``."""
+    return {
+        "state": {key_of[k]: v for k, v in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [key_of[k] for k in g["params"]]} for g in optim_state["param_groups"]],
+    }
 
 
 def capture_rng() -> dict[str, torch.Tensor]:

@@ -103,7 +103,17 @@ class DistributedConfig:
     device: str = "auto"
     """auto|cpu|cuda|neuron."""
     strategy: str = "ddp"
-    """Parallel strategy: ddp."""
+    """Data-parallel strategy: ddp (replicated), fsdp (FSDP2, fully sharded) or zero1 (optimizer state sharded)."""
+    tp_degree: int = 1
+    """Tensor-parallel degree: ranks that split each layer; they see the same batch."""
+    dp_degree: int = -1
+    """Data-parallel degree; default (-1): whatever --tp-degree leaves of the world size."""
+    sequence_parallel: bool = False
+    """With --tp-degree: also shard norms and dropout regions along the sequence."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of storing them."""
+    cpu_offload: bool = False
+    """FSDP: keep parameters and optimizer state in host memory (needs an accelerator)."""
     ddp_backend: str | None = None
     """fairseq name for the DDP implementation; c10d (or pytorch_ddp) means --strategy ddp."""
     bucket_cap_mb: float = 25.0
@@ -188,7 +198,7 @@ CHOICES = {
     "optimizer": ("adam", "adamw"),
     "lr_scheduler": ("polynomial_decay", "cosine", "fixed"),
     "device": ("auto", "cpu", "cuda", "neuron"),
-    "strategy": ("ddp",),
+    "strategy": ("ddp", "fsdp", "zero1"),
     "ddp_backend": ("c10d", "pytorch_ddp"),
     "network": ("auto", "efa", "tcp"),
     "comm_hook": ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16"),

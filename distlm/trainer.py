@@ -20,6 +20,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from distlm import checkpoint
 from distlm.backends.registry import get_backend
@@ -32,7 +34,12 @@ from distlm.mesh import ParallelDims
 from distlm.metrics import TrainStats, Printer
 from distlm.models import arch_task, build_model
 from distlm.optim import LRSchedule, build_optimizer
-from distlm.parallel.api import build_comm_hook, parallelize, unwrap
+from distlm.memory import memory_report
+from distlm.parallel.api import build_comm_hook, check_strategy, gradient_sync, parallelize, unwrap
+from distlm.parallel.fsdp import check_cpu_offload
+from distlm.parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
+from distlm.parallel.tp import local_value, loss_context, validate_tp
+from distlm.parallel.zero1 import build_zero1_optimizer
 from distlm.precision import Precision, grads_are_finite
 
 logger = logging.getLogger("distlm")
@@ -71,10 +78,13 @@ class Trainer:
         self.backend = get_backend(dist_cfg.device)
         self.backend.setup(self.env, config.precision_mode, dist_cfg.network)
         self.device = self.backend.device(self.env)
-        self.dims = ParallelDims(world_size=self.env.world_size)
+        self.dims = ParallelDims(world_size=self.env.world_size, dp=dist_cfg.dp_degree, tp=dist_cfg.tp_degree)
+        check_strategy(dist_cfg)
+        check_cpu_offload(dist_cfg.cpu_offload, self.backend.name)
         if self.env.world_size > 1:
             self.backend.init_process_group(self.env, datetime.timedelta(seconds=dist_cfg.timeout_sec))
         self.dp_group = self.dims.dp_group(self.device.type)
+        self.dp_rank = self.env.rank // self.dims.tp  # mesh ("dp", "tp") is laid out row-major
         if dist_cfg.fast_stat_sync:
             logger.info("--fast-stat-sync: accepted; distlm always reduces its statistics in one collective")
 
@@ -94,19 +104,30 @@ class Trainer:
             config.precision.min_loss_scale,
         )
         self.comm_hook = None
-        if self.dims.dp_enabled and dist_cfg.strategy == "ddp":
+        if self.dims.dp_enabled and dist_cfg.strategy in ("ddp", "zero1"):
             ranks_per_node = dist_cfg.ranks_per_node or self.env.local_world_size
             self.comm_hook = build_comm_hook(dist_cfg, self.dims, ranks_per_node, self.device.type)
         elif dist_cfg.comm_hook != "allreduce" or dist_cfg.double_buffering or dist_cfg.comm_transport != "torch":
             logger.info("one data-parallel replica: no gradient all-reduce, so the comm hook settings do nothing")
-        self.model = parallelize(self.model, self.dims, dist_cfg, self.device, self.comm_hook)
+        if self.dims.tp_enabled:
+            validate_tp(self.model, self.dims.tp, sequence_parallel=dist_cfg.sequence_parallel,
+                        tokens_per_sample=config.data.tokens_per_sample, arch=self.arch)
+        self.model = parallelize(
+            self.model, self.dims, dist_cfg, self.device, self.comm_hook, precision_mode=config.precision_mode
+        )
         self._inflight_loss_scale = 1.0
-        self.optimizer = build_optimizer(self.model.parameters(), config.optim, self.precision.param_dtype)
+        if dist_cfg.strategy == "zero1":
+            self.optimizer = build_zero1_optimizer(
+                self.model.parameters(), config.optim, self.dp_group, self.precision.param_dtype,
+                sync_bucket_mb=dist_cfg.bucket_cap_mb,
+            )
+        else:
+            self.optimizer = build_optimizer(self.model.parameters(), config.optim, self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data),
             micro_batch_size=config.data.batch_size,
             update_freq=config.data.update_freq,
-            dp_rank=self.env.rank // self.dims.tp,
+            dp_rank=self.dp_rank,
             dp_size=self.dims.dp,
             seed=config.seed,
         )
@@ -120,11 +141,13 @@ class Trainer:
             )
         self.num_updates = 0
         self.consumed_samples = 0
+        self.last_memory: dict[str, int] = {}
         if self.resume_state is not None:
             self._restore(self.resume_state, resume_file)
         else:
-            # Dropout differs per rank (as separate replicas must), yet reproducibly.
-            torch.manual_seed(config.seed * 1000 + self.env.rank)
+            # Dropout differs per data-parallel replica, yet reproducibly; the tensor-parallel
+            # ranks of one replica must draw the same masks in their replicated regions.
+            torch.manual_seed(config.seed * 1000 + self.dp_rank)
 
     # ----------------------------------------------------------------------- build
 
@@ -217,7 +240,7 @@ class Trainer:
         if state["world_size"] == self.env.world_size:
             checkpoint.restore_rng(state["rng"][self.env.rank])
         else:
-            torch.manual_seed(self.config.seed * 1000 + self.env.rank + 7919 * self.num_updates)
+            torch.manual_seed(self.config.seed * 1000 + self.dp_rank + 7919 * self.num_updates)
             logger.info("world size changed %d -> %d: dropout RNG reseeded", state["world_size"], self.env.world_size)
         logger.info("resumed from %s at update %d (%d samples consumed)", path, self.num_updates, self.consumed_samples)
 
@@ -264,9 +287,24 @@ class Trainer:
         finally:
             printer.close()
         self.save_checkpoint()
-        final = {**summary, "update": self.num_updates, "consumed_samples": self.consumed_samples, "train_wall": round(train_wall, 2)}
+        final = {
+            **summary,
+            "update": self.num_updates,
+            "consumed_samples": self.consumed_samples,
+            "train_wall": round(train_wall, 2),
+            "memory_bytes_per_rank": self._memory_by_rank(),
+        }
         printer.log(final, kind="summary")
         return final
+
+    def _memory_by_rank(self) -> list[dict[str, int]]:
+        """Bytes in parameters, gradients and optimizer state, measured on each rank's own tensors."""
+        mine = self.last_memory
+        if self.env.world_size == 1:
+            return [mine]
+        everyone = [None] * self.env.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     @contextlib.contextmanager
     def _naming_ranks_on_collective_failure(self) -> Iterator[None]:
@@ -309,25 +347,32 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with self._grad_sync(last):
+            with gradient_sync(self.model, enabled=last), loss_context(self.model):
                 with self.precision.autocast(self.backend.autocast_device_type):
                     loss = self._loss_sum(batch)
                 (loss * scale).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += local_value(loss.detach()).double().cpu()
 
         lr = self.schedule.apply(self.optimizer, self.num_updates + 1)
-        gnorm = self._unscale_and_clip(gradient_loss_scale)
-        overflow = not grads_are_finite(gnorm)
-        pipeline_filling = self._double_buffer_filling()
-        if overflow:
-            logger.info("update %d: gradient overflow at loss scale %g, update skipped", self.num_updates + 1, self.precision.loss_scale)
-        elif pipeline_filling:
-            logger.info("double buffering: the first update's gradients are still in flight; it applies no update")
-        else:
-            self.backend.optimizer_step(self.optimizer)
-            self.num_updates += 1
+        # Under tensor parallel without a data-parallel wrapper, parameters outside the plan
+        # (norms) stay plain tensors beside DTensors; torch's foreach kernels refuse such
+        # mixed lists unless the plain ones are taken as replicated, which they are.
+        with implicit_replication() if self.dims.tp_enabled else contextlib.nullcontext():
+            gnorm = self._unscale_and_clip(gradient_loss_scale)
+            overflow = not grads_are_finite(gnorm)
+            pipeline_filling = self._double_buffer_filling()
+            if overflow:
+                logger.info("update %d: gradient overflow at loss scale %g, update skipped", self.num_updates + 1, self.precision.loss_scale)
+            elif pipeline_filling:
+                logger.info("double buffering: the first update's gradients are still in flight; it applies no update")
+            else:
+                self.backend.optimizer_step(self.optimizer)
+                self.num_updates += 1
         if self.precision.scaler is not None:
             self.precision.scaler.update(overflow)
+        if self._done() or self.num_updates % self.config.logging.log_interval == 0:
+            # Measured while gradients still exist: zero_grad below frees them.
+            self.last_memory = memory_report(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.mark_step()
         self.consumed_samples += self.sampler.global_batch_size
@@ -359,11 +404,6 @@ class Trainer:
         dictionary = getattr(self.data, "dictionary", None)
         return dictionary.pad() if dictionary is not None else -1
 
-    def _grad_sync(self, sync: bool):
-        if sync or not hasattr(self.model, "no_sync"):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
-
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy (fp32) over the batch's target tokens."""
         targets = batch["targets"]
@@ -389,15 +429,18 @@ class Trainer:
         if loss_scale != 1.0:
             torch._foreach_mul_([p.grad for p in params], 1.0 / loss_scale)
         max_norm = self.config.optim.clip_norm or math.inf
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # tp's version groups gradients by device mesh (embeddings on dp, layers on dp x tp),
+        # which torch's own refuses to mix; without tensor parallel they are the same.
+        clip = tp_clip_grad_norm_ if self.dims.tp_enabled else torch.nn.utils.clip_grad_norm_
+        return clip(params, max_norm, foreach=True)
 
     # ---------------------------------------------------------------------- debug
 
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Every data-parallel replica must hold bit-identical parameters after every update."""
-        if self.dp_group is None:
-            return
+        if self.dp_group is None or self.config.distributed.strategy == "fsdp":
+            return  # FSDP ranks hold different shards by design: there are no replicas to compare
         mine = torch.stack([_bitwise_digest(p) for p in self.model.parameters()]).cpu()
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dp_group))]
         dist.all_gather(gathered, mine, group=self.dp_group)
@@ -418,6 +461,8 @@ def _bitwise_digest(tensor: torch.Tensor) -> torch.Tensor:
     Comparing bits (not float sums) catches differences that cancel numerically, and
     the weights catch elements that merely swapped places.
     """
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()  # tensor-parallel shards: compared with the same shard of other replicas
     flat = tensor.detach().contiguous().view(-1)
     word = torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2 else torch.int64
     bits = flat.view(word).to(torch.int64)

@@ -90,6 +90,11 @@ def run_main(argv, capsys) -> tuple[int, str]:
         (["--device", "cuda"], "cuda"),
         (["--device", "neuron"], "neuron"),
         (["--batch-size", "100000"], "--batch-size"),
+        (["--tp-degree", "2"], "--tp-degree 2"),
+        (["--dp-degree", "2"], "--dp-degree 2"),
+        (["--strategy", "fsdp", "--cpu-offload"], "--cpu-offload"),
+        (["--strategy", "fsdp", "--comm-hook", "fp16"], "--comm-hook"),
+        (["--sequence-parallel"], "--sequence-parallel"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, expected, data_dir, tmp_path, capsys):

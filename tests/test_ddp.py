@@ -13,7 +13,7 @@ import torch
 from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
-from distlm.parallel.api import unwrap
+from distlm.checkpoint import consolidated_parameters
 from distlm.trainer import Trainer
 
 UPDATES = 5
@@ -44,10 +44,11 @@ def common_args(data_dir: str, save_dir: str, arch: str = "roberta_tiny") -> lis
 def train(args: list[str], updates: int = UPDATES) -> dict:
     """Run ``updates`` updates; return initial and final parameters and per-update global gradient norms."""
     trainer = Trainer(parse_args(args))
-    initial = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
+    initial = consolidated_parameters(trainer.model)
     batches = trainer.update_batches()
     gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(updates)]
-    params = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
+    # Gathered the way checkpoints and export gather them, so sharded strategies compare too.
+    params = consolidated_parameters(trainer.model)
     return {"initial": initial, "params": params, "gnorms": gnorms}
 
 

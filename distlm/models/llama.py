@@ -165,15 +165,22 @@ class LlamaCausalLM(nn.Module):
 
     # Tensor-parallel split plan, consumed by distlm.parallel (models never import
     # torch.distributed). "*" stands for the layer index.
+    # The sequence_* entries matter only with --sequence-parallel: norms run on
+    # sequence shards, and attention / feed-forward gather their input once.
     tp_plan: dict[str, str] = {
         "tok_embeddings": "vocab_embedding",
+        "layers.*.attention_norm": "sequence_norm",
+        "layers.*.attention": "sequence_gather",
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
         "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "sequence_norm",
+        "layers.*.feed_forward": "sequence_gather",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
+        "norm": "sequence_norm",
         "output": "colwise_output",
     }
     # Config fields (or properties) the tensor-parallel degree must divide.

@@ -131,13 +131,20 @@ class RobertaMaskedLM(nn.Module):
     # torch.distributed). The embeddings and the LM head stay replicated: the output
     # projection *is* embed_tokens.weight, and the per-module parallel styles would
     # give that one parameter two different layouts.
+    # The sequence_* entries matter only with --sequence-parallel: the encoder layers
+    # run on sequence shards (split before the first, gathered after the last), their
+    # LayerNorms too, and self-attention gathers its input once.
     tp_plan: dict[str, str] = {
+        "layers": "sequence_region",
+        "layers.*.self_attn": "sequence_gather",
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.out_proj": "rowwise",
+        "layers.*.self_attn_layer_norm": "sequence_norm",
         "layers.*.fc1": "colwise",
         "layers.*.fc2": "rowwise",
+        "layers.*.final_layer_norm": "sequence_norm",
     }
     # Config fields the tensor-parallel degree must divide.
     tp_divisible: tuple[str, ...] = ("n_heads", "ffn_dim")

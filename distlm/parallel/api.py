@@ -1,19 +1,22 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
 The order is: tensor parallel, then activation checkpointing, then compile, then FSDP
-or DDP with its communication hook. Only DDP exists so far; each later strategy is one
-more ``apply_*`` call in this sequence, never a change to the model code.
+or DDP with its communication hook. Each strategy is one ``apply_*`` call in this
+sequence, never a change to the model code. ZeRO-1 is DDP here plus a sharded optimizer,
+which the trainer builds after this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from distlm.config import DistributedConfig
+from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.parallel.ddp import apply_ddp
 
@@ -26,8 +29,35 @@ def parallelize(
     cfg: DistributedConfig,
     device: torch.device,
     comm_hook: tuple[Callable, Any] | None = None,
+    precision_mode: str = "fp32",
 ) -> torch.nn.Module:
-    if dims.dp_enabled and cfg.strategy == "ddp":
+    mesh = dims.build_mesh(device.type)
+    if dims.tp_enabled:
+        from distlm.parallel.tp import apply_tp
+
+        model = apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel, loss_parallel=True)
+        logger.info("applied tensor parallel of degree %d%s, vocabulary-parallel loss", dims.tp,
+                    " with sequence parallel" if cfg.sequence_parallel else "")
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+        logger.info("applied activation checkpointing to %d blocks", len(model.layers))
+    if cfg.strategy == "fsdp" and not dims.dp_enabled:
+        logger.info("--strategy fsdp with one data-parallel rank: nothing to shard, the model stays whole")
+    elif cfg.strategy == "fsdp":
+        from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
+
+        param_dtype, reduce_dtype = fsdp_dtypes(precision_mode)
+        model = apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           cpu_offload=cfg.cpu_offload)
+        logger.info("applied FSDP2 over %d data-parallel ranks (per block and root)", dims.dp)
+    elif dims.dp_enabled and dims.tp_enabled:
+        # torch DDP cannot hold DTensor parameters; replicate (FSDP2's all-reduce twin)
+        # averages the tensor-parallel shards' gradients over the dp group as DDP would.
+        from distlm.parallel.tp import apply_replicate
+
+        model = apply_replicate(model, mesh["dp"])
+        logger.info("applied data parallel (replicate) over %d replicas of the tensor-parallel model", dims.dp)
+    elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
         model = apply_ddp(model, device, dims.dp_group(device.type), cfg.bucket_cap_mb, comm_hook)
         logger.info(
             "applied DDP over %d replicas, bucket_cap_mb=%g, comm hook %s%s%s",
@@ -36,6 +66,46 @@ def parallelize(
             " with double buffering (gradients one update stale)" if cfg.double_buffering else "",
         )
     return model
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward (torch's checkpoint wrapper, non-reentrant)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, block in enumerate(model.layers):
+        model.layers[index] = checkpoint_wrapper(block)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Synchronise gradients in this backward or not (DDP's no_sync, FSDP2's requires_gradient_sync)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 and replicate
+        model.set_requires_gradient_sync(enabled)
+        yield
+    elif not enabled and isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def check_strategy(cfg: DistributedConfig) -> None:
+    """Combinations no strategy can run, refused before anything starts."""
+    hooks_asked = cfg.comm_hook != "allreduce" or cfg.double_buffering or cfg.comm_transport != "torch"
+    if cfg.strategy == "fsdp" and hooks_asked:
+        raise UsageError(
+            "--comm-hook/--double-buffering/--comm-transport are DDP communication hooks; "
+            "FSDP reduce-scatters its own gradients: use --strategy ddp or zero1, or drop them"
+        )
+    if cfg.cpu_offload and cfg.strategy != "fsdp":
+        raise UsageError("--cpu-offload is an FSDP option; add --strategy fsdp or drop it")
+    if hooks_asked and cfg.tp_degree > 1:
+        raise UsageError(
+            "--comm-hook/--double-buffering/--comm-transport are DDP communication hooks, and DDP cannot hold "
+            "tensor-parallel parameters; drop them or use --tp-degree 1"
+        )
+    if cfg.sequence_parallel and cfg.tp_degree == 1:
+        raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
 
 
 def build_comm_hook(

@@ -1,0 +1,264 @@
+"""Fully sharded data parallel through torch's FSDP2 (``fully_shard``).
+
+Every transformer block in ``model.layers`` becomes one FSDP unit and the root takes
+the rest (embeddings, final norm, LM head). Each unit's parameters are all-gathered in
+one collective before its forward and backward, and its gradients reduce-scattered in
+one collective after its backward, so parameters, gradients and optimizer state are
+all sharded across the data-parallel mesh (ZeRO stage 3).
+
+Gradients are averaged over the data-parallel group, exactly as DDP averages them
+(FSDP2 reduce-scatters fp32/bf16 with ``ReduceOp.AVG``, fp16 with a sum between a
+pre- and a post-division by ~sqrt(N)). The trainer's loss factor (dp degree / global
+target tokens) therefore needs no change.
+
+Checkpoints and export go through ``torch.distributed.checkpoint.state_dict``: the
+gathered state carries the single-device parameter names (those of
+``model.state_dict()`` without sharding), whatever strategy wrote it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from distlm.errors import UsageError
+
+# Devices whose memory FSDP's CPUOffloadPolicy can offload from. On anything else the
+# policy has nothing to offload and torch fails at the first forward with
+# "Cannot access accelerator device when none is available" (measured on CPU).
+_OFFLOADABLE_DEVICES = ("cuda",)
+
+
+def check_cpu_offload(cpu_offload: bool, device_type: str) -> None:
+    """Refuse ``--cpu-offload`` where FSDP cannot run it; call before any process group starts.
+
+    ``device_type`` is the resolved device (``cpu``, ``cuda``, ``neuron``); ``auto``
+    is resolved here the way the backends resolve it.
+    """
+    if not cpu_offload:
+        return
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in _OFFLOADABLE_DEVICES:
+        raise UsageError(
+            f"--cpu-offload moves FSDP's parameters and gradients off an accelerator, but --device is "
+            f"{device_type} (FSDP's CPUOffloadPolicy fails without CUDA); drop --cpu-offload"
+        )
+
+
+def fsdp_dtypes(precision_mode: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` for apply_fsdp from distlm's precision mode.
+
+    Compute runs in the half type, gradients are reduced in fp32 and the sharded
+    master weights stay fp32. ``memory_efficient_fp16`` keeps fp16 weights already,
+    so only the reduction is raised to fp32 (the summed fp16 gradient could overflow).
+    """
+    return {
+        "fp32": (None, None),
+        "bf16": (torch.bfloat16, torch.float32),
+        "fp16": (torch.float16, torch.float32),
+        "memory_efficient_fp16": (None, torch.float32),
+    }[precision_mode]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``dp_mesh`` and return it.
+
+    ``model.layers`` (a ModuleList of blocks) gives the FSDP units. Parameters may
+    already be DTensors on a tensor-parallel mesh (2-D FSDP + TP): FSDP2 then shards
+    them further over ``dp_mesh``, which must be a sibling of that mesh.
+    """
+    if dp_mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp wants the 1-D data-parallel mesh, got a {dp_mesh.ndim}-D mesh")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UsageError(
+            f"--strategy fsdp shards per transformer block, but {type(model).__name__} has no "
+            "`layers` ModuleList; use --strategy ddp for this model"
+        )
+    _check_ties_stay_in_one_unit(model, layers)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for index, layer in enumerate(layers):
+        # The last block is all-gathered again right away when backward starts, so
+        # freeing it after forward would only add one all-gather (torchtitan does the same).
+        last = index == len(layers) - 1
+        fully_shard(
+            layer,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward and not last,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+    # The root keeps its parameters after forward (FSDP2's default for the root):
+    # the LM head's backward needs them first.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    # FSDP2 warns when the root returns a view (F.linear on [B, T, D] returns the logits
+    # as one), because an in-place op on it would skip the pre-backward hook. The
+    # trainer only reads the logits out of place, so the warning is noise on every rank.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+def _check_ties_stay_in_one_unit(model: nn.Module, layers: nn.ModuleList) -> None:
+    """A parameter shared by two FSDP units would be sharded twice and silently untied.
+
+    Ties inside one unit are fine (RoBERTa's LM head projects onto
+    ``embed_tokens.weight``, both in the root unit).
+    """
+    owner: dict[int, str] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            unit = f"layers.{index}"
+            if owner.setdefault(id(param), unit) != unit:
+                raise UsageError(
+                    f"--strategy fsdp: parameter {unit}.{name} is tied to one in {owner[id(param)]}; "
+                    "FSDP shards each block separately, so tied weights must live in one block or "
+                    "outside model.layers; use --strategy ddp"
+                )
+    layer_params = set(owner)
+    layer_ids = {id(m) for layer in layers for m in layer.modules()}
+    for module_name, module in model.named_modules():
+        if id(module) in layer_ids:
+            continue
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if id(param) in layer_params:
+                raise UsageError(
+                    f"--strategy fsdp: parameter {module_name}.{name} is tied to one in {owner[id(param)]}; "
+                    "FSDP shards each block separately, so tied weights must live in one block or "
+                    "outside model.layers; use --strategy ddp"
+                )
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP's ``no_sync``: with ``enabled=False`` backward keeps accumulating unsharded
+    gradients and reduce-scatters nothing; set it back to True before the last
+    micro-batch's backward, which then reduce-scatters the accumulated sum once.
+
+    A no-op for a model that is not FSDP-sharded, so the trainer may call it always.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled, recurse=True)
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """Consolidated weights on CPU under the single-device names, as tensors of their own.
+
+    A collective under FSDP: every rank must call it. With ``rank0_only`` (the
+    default) only rank 0 receives the tensors and the other ranks get ``{}``, so no
+    rank but the writer holds a full copy. Works for plain and DDP models too.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_model_state_dict(model, options=options)
+    live = _storages(list(model.parameters()) + list(model.buffers()))
+    # Tied names keep sharing one tensor, so export still stores it once.
+    copies: dict[tuple, torch.Tensor] = {}
+    result = {}
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        if key not in copies:
+            copies[key] = _own_cpu_copy(tensor, live)
+        result[name] = copies[key]
+    return result
+
+
+def load_full_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, from_rank0: bool = False
+) -> None:
+    """Inverse of ``full_state_dict``; each rank keeps only its own shard.
+
+    By default every rank passes the full weights (each rank has read the checkpoint
+    file). With ``from_rank0`` only rank 0 does, the others pass ``{}`` and rank 0's
+    tensors are broadcast, so one full copy exists at a time (collective; FSDP only).
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_model_state_dict(model, _copy_containers(state_dict), options=options)
+
+
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True
+) -> dict[str, Any]:
+    """Consolidated optimizer state keyed by parameter name (not index), on CPU.
+
+    Names rather than indices make the state independent of how the strategy
+    orders or shards parameters. Same collective and rank-0 rules as ``full_state_dict``.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    live = _storages(v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    return _map_tensors(state, lambda tensor: _own_cpu_copy(tensor, live))
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, from_rank0: bool = False
+) -> None:
+    """Inverse of ``full_optimizer_state_dict``, with ``load_full_state_dict``'s ``from_rank0`` rule.
+
+    Call it after the optimizer exists and before its first step; the state it loads
+    is sliced to this rank's shards.
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_optimizer_state_dict(model, optimizer, _copy_containers(state_dict), options=options)
+
+
+def _storages(tensors) -> set[int]:
+    return {
+        (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors
+    } - {0}
+
+
+def _own_cpu_copy(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    """torch hands back the live tensor itself where nothing had to be gathered (plain
+    parameters, Adam's step counters, anything already on CPU); such a "copy" would
+    keep changing with training, so it is copied here. Gathered tensors are new already."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    if tensor.untyped_storage().data_ptr() in live:
+        return tensor.to("cpu", copy=True)
+    return tensor.cpu()
+
+
+def _map_tensors(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _copy_containers(value: Any) -> Any:
+    """New dicts and lists around the same tensors: torch's loaders replace entries of the
+    state dict they are given with this rank's shards, which must not leak to the caller."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value

@@ -1,0 +1,399 @@
+"""Tensor parallel (and sequence parallel) driven by the model's declared ``tp_plan``.
+
+Models declare, as data, how their modules split (``tp_plan``: a module-name pattern,
+``*`` standing for a layer index, mapped to a style name). This module translates the
+styles into torch's own ``parallelize_module`` styles; it never rewrites model code.
+
+=====================  =========================================================  ==============================
+plan style             without --sequence-parallel                                with --sequence-parallel
+=====================  =========================================================  ==============================
+``colwise``            ColwiseParallel: weight rows (output features) sharded     input all-gathered from sequence
+                       (Q/K/V, fc1, w1/w3); output stays sharded (local heads)    shards unless its parent is a
+                                                                                  ``sequence_gather`` module
+``rowwise``            RowwiseParallel: weight columns sharded (out, fc2, w2);    reduce-scatter onto sequence
+                       partial outputs all-reduced                                shards instead of all-reduce
+``vocab_embedding``    RowwiseParallel on an embedding: vocabulary rows sharded,  output reduce-scattered onto
+                       rows outside a rank's range give 0, outputs all-reduced    sequence shards
+``colwise_output``     ColwiseParallel on the output projection; with             input all-gathered from
+                       loss_parallel its logits stay sharded on the vocabulary    sequence shards
+``sequence_norm``      left alone (replicated; every TP rank computes it)         SequenceParallel: runs on the
+                                                                                  rank's sequence shard
+``sequence_gather``    left alone                                                 PrepareModuleInput: the first
+                                                                                  input is all-gathered once for
+                                                                                  all ``colwise`` children
+``sequence_region``    left alone                                                 a ModuleList of blocks that run
+                                                                                  on sequence shards: the sequence
+                                                                                  is split before the first block
+                                                                                  and gathered after the last
+=====================  =========================================================  ==============================
+
+Sequence parallel needs the sequence length divisible by the tp degree. Batches are
+padded on the right with the pad token to the next multiple, and per-position logits are
+cut back. Neither distlm model lets a right pad reach a real position (RoBERTa masks
+padded keys, Llama is causal), so only rounding changes.
+
+A vocabulary that the tp degree does not divide is sharded unevenly (``torch.chunk``
+sizes, e.g. 131 + 130 rows for the 261-symbol byte vocabulary on 2 ranks). DTensor's
+vocabulary-parallel embedding and loss handle uneven shards (tested), so nothing is
+padded and nothing is refused: parameter shapes and single-device numerics stay as they are.
+
+Dropout: wherever activations are replicated across the TP ranks of a replica (without
+--sequence-parallel the whole residual stream; RoBERTa's embedding block always), all of
+them must draw the same mask, or their copies drift apart (tests/test_tp.py shows both).
+So the torch RNG must be seeded by data-parallel rank, alike on the TP ranks of a
+replica. Inside sharded regions (local heads, sequence shards) that seed then repeats
+one mask pattern on different heads or tokens: correlated but unbiased. Megatron's
+separate tensor-parallel RNG stream avoids that; DTensor's RNG tracker offers it only for
+random ops on DTensors on CUDA-like meshes, and distlm's dropouts act on local tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import math
+import re
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from distlm.errors import UsageError
+
+logger = logging.getLogger("distlm")
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "vocab_embedding",
+    "colwise_output",
+    "sequence_norm",
+    "sequence_gather",
+    "sequence_region",
+)
+
+# Attribute set on a tensor-parallel model; read by loss_context() and the trainer.
+_TP_INFO = "_distlm_tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPInfo:
+    degree: int
+    sequence_parallel: bool
+    loss_parallel: bool
+    """True when the logits come out as a DTensor sharded on the vocabulary."""
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _model_class_and_config(model_or_config: Any) -> tuple[type, Any]:
+    if isinstance(model_or_config, nn.Module):
+        return type(model_or_config), getattr(model_or_config, "config", None)
+    from distlm.models.registry import ARCHS
+
+    for model_class, config in ARCHS.values():
+        if type(config) is type(model_or_config):
+            return model_class, model_or_config
+    raise TypeError(f"validate_tp needs a model or a distlm model config, got {type(model_or_config).__name__}")
+
+
+def validate_tp(
+    model_or_config: Any,
+    tp_degree: int,
+    *,
+    sequence_parallel: bool = False,
+    tokens_per_sample: int | None = None,
+    arch: str | None = None,
+) -> None:
+    """UsageError unless ``tp_degree`` splits every dimension the model's plan shards.
+
+    ``model_or_config``: a model (a meta-device one is enough) or a RobertaConfig /
+    LlamaConfig. ``arch`` only names the model in the message. The vocabulary is not
+    checked: uneven vocabulary shards are supported (see the module docstring). With
+    ``sequence_parallel``, ``tokens_per_sample`` padded up to a multiple of the degree
+    must still fit the model's positions.
+    """
+    if tp_degree < 1:
+        raise UsageError(f"--tp-degree must be at least 1, got {tp_degree}")
+    if tp_degree == 1:
+        return
+    model_class, config = _model_class_and_config(model_or_config)
+    name = f"--arch {arch}" if arch else model_class.__name__
+    plan = getattr(model_class, "tp_plan", None)
+    if not plan:
+        raise UsageError(
+            f"--tp-degree {tp_degree}: {name} declares no tp_plan, so it cannot be tensor-parallel; use --tp-degree 1"
+        )
+    unknown = sorted(set(plan.values()) - set(STYLES))
+    if unknown:
+        raise UsageError(f"--tp-degree {tp_degree}: {name}'s tp_plan uses unknown styles {unknown}; known: {', '.join(STYLES)}")
+    for field in getattr(model_class, "tp_divisible", ()) if config is not None else ():
+        value = getattr(config, field)
+        if value % tp_degree:
+            shown = _FIELD_NAMES.get(field, field)
+            raise UsageError(f"--tp-degree {tp_degree} does not divide {shown} {value} of {name}")
+    if sequence_parallel and tokens_per_sample is not None and config is not None:
+        positions = getattr(config, "max_positions", None) or getattr(config, "max_seq_len", None)
+        padded = -(-tokens_per_sample // tp_degree) * tp_degree
+        if positions is not None and padded > positions:
+            raise UsageError(
+                f"--sequence-parallel pads --tokens-per-sample {tokens_per_sample} to {padded}, a multiple of "
+                f"--tp-degree {tp_degree}, beyond the {positions} positions of {name}; lower --tokens-per-sample"
+            )
+
+
+# Config fields shown under the name users know them by.
+_FIELD_NAMES = {"kv_heads": "n_kv_heads"}
+
+
+# ---------------------------------------------------------------- application
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name -> style, every pattern expanded against the real module tree."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = _pattern_regex(pattern)
+        matched = [name for name in names if regex.match(name)]
+        if not matched:
+            raise ValueError(f"tp_plan entry {pattern!r} of {type(model).__name__} matches no module")
+        for name in matched:
+            resolved[name] = style
+    return resolved
+
+
+def _positional_arity(module: nn.Module) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _styles(
+    model: nn.Module, resolved: dict[str, str], sequence_parallel: bool, loss_parallel: bool
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """The torch parallel style for each module name (for parallelize_module), and
+    (name, style) pairs to apply after it."""
+    sp = sequence_parallel
+    stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+    gathered = {name for name, style in resolved.items() if style == "sequence_gather"}
+    plan: dict[str, Any] = {}
+    later: list[tuple[str, Any]] = []
+    for name, style in resolved.items():
+        if style == "colwise":
+            # Under SP a colwise layer gathers its own input unless its parent did it
+            # once for all its colwise children.
+            own_gather = sp and _parent(name) not in gathered
+            plan[name] = ColwiseParallel(input_layouts=Shard(1)) if own_gather else ColwiseParallel()
+        elif style == "rowwise":
+            plan[name] = RowwiseParallel(output_layouts=stream)
+        elif style == "vocab_embedding":
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        elif style == "colwise_output":
+            plan[name] = ColwiseParallel(
+                input_layouts=stream,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        elif not sp:
+            continue  # the remaining styles only matter for sequence parallel
+        elif style == "sequence_norm":
+            # Local outputs keep the residual stream a plain tensor (sequence shard), so
+            # residual adds never mix DTensor and Tensor.
+            plan[name] = SequenceParallel(use_local_output=True)
+        elif style == "sequence_gather":
+            rest = (None,) * (_positional_arity(model.get_submodule(name)) - 1)
+            # The gathered input stays a DTensor: the gradients of all colwise children
+            # then sum as partials and leave through a single reduce-scatter.
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+        elif style == "sequence_region":
+            blocks = model.get_submodule(name)
+            if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+                raise ValueError(f"tp_plan: sequence_region {name!r} must be a non-empty ModuleList")
+            rest = (None,) * (_positional_arity(blocks[0]) - 1)
+            # Replicate -> Shard is a local slice (its backward an all-gather).
+            plan[f"{name}.0"] = PrepareModuleInput(
+                input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
+            )
+            # The last block may also be the first, so its output side is applied in a
+            # second pass (a plan holds one style per module).
+            later.append((f"{name}.{len(blocks) - 1}", PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+            )))
+    return plan, later
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+    """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh``; returns it.
+
+    Call before activation checkpointing, compile and FSDP/DDP, on a model whose weights
+    are already initialised identically on all ranks (or on the meta device: the shards
+    are then materialised and initialised later). Parameters covered by the plan become
+    DTensors; all others stay plain tensors, replicated and computed alike on every TP
+    rank. ``loss_parallel`` is honoured only where the plan has a ``colwise_output``
+    (Llama); RoBERTa's head is tied to a replicated embedding, so its logits stay whole.
+    Check ``tp_info(model).loss_parallel`` and compute the loss in ``loss_context(model)``.
+    """
+    degree = tp_mesh.size()
+    validate_tp(model, degree)
+    resolved = _resolve(model, type(model).tp_plan)
+    loss_parallel = loss_parallel and "colwise_output" in resolved.values()
+    styles, later = _styles(model, resolved, sequence_parallel, loss_parallel)
+    parallelize_module(model, tp_mesh, styles)
+    for name, style in later:
+        parallelize_module(model.get_submodule(name), tp_mesh, style)
+    if sequence_parallel:
+        _pad_sequence_to_multiple(model, degree)
+    info = TPInfo(degree=degree, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    setattr(model, _TP_INFO, info)
+    logger.info(
+        "applied tensor parallel over %d ranks (%d modules sharded%s%s)",
+        degree,
+        sum(style in ("colwise", "rowwise", "vocab_embedding", "colwise_output") for style in resolved.values()),
+        ", sequence parallel" if sequence_parallel else "",
+        ", loss parallel" if loss_parallel else "",
+    )
+    return model
+
+
+def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
+    """Right-pad ``input_ids`` (and ``masked_tokens``) to a multiple of the tp degree, and
+    cut per-position logits back, so sequence shards are always even."""
+    pad = getattr(getattr(model, "config", None), "padding_idx", None)
+    if pad is None:
+        raise UsageError(
+            f"--sequence-parallel pads batches to a multiple of --tp-degree {multiple} and needs "
+            f"{type(model).__name__}.config.padding_idx"
+        )
+    lengths: list[int] = []
+
+    def pad_inputs(module, args, kwargs):
+        input_ids = args[0] if args else kwargs["input_ids"]
+        length = input_ids.shape[1]
+        extra = -length % multiple
+        lengths.append(length if extra else -1)
+        if not extra:
+            return None
+        input_ids = nn.functional.pad(input_ids, (0, extra), value=pad)
+        masked = kwargs.get("masked_tokens", args[1] if len(args) > 1 else None)
+        if masked is not None:
+            masked = nn.functional.pad(masked, (0, extra), value=False)
+        if args:
+            args = (input_ids, *args[1:])
+        else:
+            kwargs = {**kwargs, "input_ids": input_ids}
+        if masked is not None:
+            if len(args) > 1:
+                args = (args[0], masked, *args[2:])
+            else:
+                kwargs = {**kwargs, "masked_tokens": masked}
+        return args, kwargs
+
+    def cut_outputs(module, args, kwargs, output):
+        length = lengths.pop()
+        masked = kwargs.get("masked_tokens", args[1] if len(args) > 1 else None)
+        if length < 0 or masked is not None:
+            return None  # masked-token logits are [n_masked, V]: padding added no rows
+        return output[:, :length]
+
+    model.register_forward_pre_hook(pad_inputs, with_kwargs=True)
+    model.register_forward_hook(cut_outputs, with_kwargs=True)
+
+
+# ------------------------------------------------------------ training helpers
+
+
+def tp_info(model: nn.Module) -> TPInfo | None:
+    """What apply_tp did to ``model`` (looks through DDP/compile wrappers), or None."""
+    seen = model
+    for _ in range(4):
+        info = getattr(seen, _TP_INFO, None)
+        if info is not None:
+            return info
+        seen = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if seen is None:
+            return None
+    return None
+
+
+def loss_context(model: nn.Module):
+    """Compute the loss *and call backward* inside this: ``loss_parallel()`` when the
+    model's logits are sharded on the vocabulary, else a no-op."""
+    info = tp_info(model)
+    return loss_parallel() if info is not None and info.loss_parallel else contextlib.nullcontext()
+
+
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a (replicated) DTensor result such as the parallel loss."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+    """Global gradient norm (a plain tensor) over DTensor and plain gradients, clipped to ``max_norm``.
+
+    Sharded DTensor gradients count each shard once (torch reduces over the mesh);
+    plain and replicated gradients are identical on every TP rank and count once.
+    """
+    # torch's clip_grad_norm_ stacks the per-tensor norms, which fails when they live
+    # on different meshes (TP DTensors next to plain or FSDP-only parameters); group by
+    # mesh, reduce each group to a plain number, then combine.
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    if not groups:
+        return torch.zeros(())
+    squares = sum(
+        local_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=foreach)).float() ** 2
+        for group in groups.values()
+    )
+    total = squares.sqrt()
+    if math.isfinite(max_norm):
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total
+
+
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Data parallelism (replicated parameters, averaged gradients) for a tensor-parallel model.
+
+    torch's DistributedDataParallel cannot hold DTensor parameters: given the dp process
+    group it fails at once (its initial broadcast, and with init_sync=False its reducer,
+    mix Tensor and DTensor). Given ``device_mesh=`` it swaps them for local
+    tensors, trains correctly, but the module loses its registered parameters after the
+    first forward (llama_tiny: 39 -> 0), so state_dict() and parameters() break. torch's
+    FSDP2-based ``replicate`` keeps them DTensors on the (dp, tp) mesh, so clipping,
+    state dicts and distributed checkpoints work as for FSDP. It is applied per block,
+    then to the root, so gradient all-reduces overlap backward (torchtitan's layout).
+    Gradients are averaged over dp, as DDP does; on non-final micro-batches call
+    ``model.set_requires_gradient_sync(False)`` (DDP's ``no_sync``).
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in getattr(model, "layers", ()):
+        replicate(block, mesh=dp_mesh)
+    replicate(model, mesh=dp_mesh)
+    logger.info("applied replicate over %d data-parallel ranks (tensor-parallel parameters)", dp_mesh.size())
+    return model
