@@ -81,7 +81,8 @@ class Trainer:
         self.dims = ParallelDims(world_size=self.env.world_size, dp=dist_cfg.dp_degree, tp=dist_cfg.tp_degree)
         check_strategy(dist_cfg)
         check_cpu_offload(dist_cfg.cpu_offload, self.backend.name)
-        if self.env.world_size > 1:
+        if self.env.world_size > 1 and not dist.is_initialized():
+            # An existing process group (the caller's own, or an earlier Trainer's) is reused.
             self.backend.init_process_group(self.env, datetime.timedelta(seconds=dist_cfg.timeout_sec))
         self.dp_group = self.dims.dp_group(self.device.type)
         self.dp_rank = self.env.rank // self.dims.tp  # mesh ("dp", "tp") is laid out row-major
