@@ -125,12 +125,12 @@ def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
 
 def parameter_names(model: torch.nn.Module) -> list[str]:
     """Single-device names of ``model.parameters()``, in that order (wrapper prefixes removed)."""
-    wrappers = ("module.", "_orig_mod.", "_checkpoint_wrapped_module.")
+    # DDP adds a leading "module."; compile and activation checkpointing insert a level anywhere.
+    inserted = {"_orig_mod", "_checkpoint_wrapped_module"}
     names = []
     for name, _ in model.named_parameters():
-        for prefix in wrappers:
-            name = name.replace(prefix, "")
-        names.append(name)
+        name = name.removeprefix("module.")
+        names.append(".".join(part for part in name.split(".") if part not in inserted))
     return names
 
 

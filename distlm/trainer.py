@@ -445,7 +445,7 @@ class Trainer:
         mine = torch.stack([_bitwise_digest(p) for p in self.model.parameters()]).cpu()
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dp_group))]
         dist.all_gather(gathered, mine, group=self.dp_group)
-        names = [n for n, _ in unwrap(self.model).named_parameters()]
+        names = checkpoint.parameter_names(self.model)
         ranks = dist.get_process_group_ranks(self.dp_group)
         for rank, theirs in zip(ranks, gathered):
             differs = (theirs != gathered[0]).any(dim=1).nonzero()

@@ -1,0 +1,64 @@
+"""ParallelDims: degrees, validation and named meshes, from 64 fake ranks to 4 real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from distributed import run_distributed
+from distlm.errors import UsageError
+from distlm.mesh import ParallelDims
+
+
+@pytest.mark.parametrize(
+    "world, dp, tp, expected",
+    [(64, -1, 8, (8, 8)), (64, 16, 4, (16, 4)), (8, -1, 1, (8, 1)), (1, -1, 1, (1, 1))],
+)
+def test_degrees(world, dp, tp, expected):
+    dims = ParallelDims(world_size=world, dp=dp, tp=tp)
+    assert (dims.dp, dims.tp) == expected
+    assert dims.dp_enabled == (expected[0] > 1) and dims.tp_enabled == (expected[1] > 1)
+
+
+@pytest.mark.parametrize(
+    "world, dp, tp, flag",
+    [(64, -1, 6, "--tp-degree 6"), (64, 4, 8, "--dp-degree 4"), (8, -1, 0, "--tp-degree")],
+)
+def test_degrees_that_do_not_fit_are_refused(world, dp, tp, flag):
+    with pytest.raises(UsageError, match=flag):
+        ParallelDims(world_size=world, dp=dp, tp=tp)
+
+
+def test_meshes_of_64_ranks_with_the_fake_process_group():
+    """Shapes and group membership at 64 ranks, without 64 processes."""
+    store = FakeStore()
+    for rank in (0, 13, 63):
+        dist.init_process_group("fake", store=store, rank=rank, world_size=64)
+        try:
+            dims = ParallelDims(world_size=64, tp=8)
+            mesh = dims.build_mesh("cpu")
+            assert mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == (8, 8)
+            # Row-major layout: the tp group is 8 consecutive ranks, the dp group a stride of 8.
+            assert dist.get_process_group_ranks(mesh["tp"].get_group()) == list(range(rank // 8 * 8, rank // 8 * 8 + 8))
+            assert dist.get_process_group_ranks(dims.dp_group("cpu")) == list(range(rank % 8, 64, 8))
+        finally:
+            dist.destroy_process_group()
+
+
+def groups_on_real_ranks(tp: int) -> tuple[list[int], list[int]]:
+    import os
+
+    dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp)
+    from distlm.backends.cpu import CpuBackend
+    from distlm.env import ClusterEnv
+    import datetime
+
+    CpuBackend().init_process_group(ClusterEnv.detect(), datetime.timedelta(seconds=60))
+    mesh = dims.build_mesh("cpu")
+    return dist.get_process_group_ranks(dims.dp_group("cpu")), dist.get_process_group_ranks(mesh["tp"].get_group())
+
+
+def test_meshes_on_four_real_gloo_ranks():
+    groups = run_distributed(groups_on_real_ranks, 4, 2)
+    assert groups == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
