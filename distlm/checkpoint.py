@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from distlm.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -80,10 +83,106 @@ def save(state: dict[str, Any], save_dir: str | os.PathLike, names: list[str]) -
 
 
 # Full (unsharded) state under the single-device model's parameter names, whatever wraps
-# the model (DDP, FSDP2, DTensor tensor parallel): the checkpoint of one strategy and world
-# size loads into another. cpu_offload makes only rank 0 hold the gathered copy.
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_LOAD_FULL = StateDictOptions(full_state_dict=True)
+# the model (DDP, FSDP2, DTensor tensor parallel), so the checkpoint of one strategy and
+# world size loads into another. With rank0_only, only rank 0 holds the gathered copy.
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """Consolidated weights on CPU under the single-device names, as tensors of their own.
+
+    A collective under FSDP: every rank must call it. With ``rank0_only`` (the
+    default) only rank 0 receives the tensors and the other ranks get ``{}``, so no
+    rank but the writer holds a full copy. Works for plain and DDP models too.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_model_state_dict(model, options=options)
+    live = _storages(list(model.parameters()) + list(model.buffers()))
+    # Tied names keep sharing one tensor, so export still stores it once.
+    copies: dict[tuple, torch.Tensor] = {}
+    result = {}
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        if key not in copies:
+            copies[key] = _own_cpu_copy(tensor, live)
+        result[name] = copies[key]
+    return result
+
+
+def load_full_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, from_rank0: bool = False
+) -> None:
+    """Inverse of ``full_state_dict``; each rank keeps only its own shard.
+
+    By default every rank passes the full weights (each rank has read the checkpoint
+    file). With ``from_rank0`` only rank 0 does, the others pass ``{}`` and rank 0's
+    tensors are broadcast, so one full copy exists at a time (collective; FSDP only).
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_model_state_dict(model, _copy_containers(state_dict), options=options)
+
+
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True
+) -> dict[str, Any]:
+    """Consolidated optimizer state keyed by parameter name (not index), on CPU.
+
+    Names rather than indices make the state independent of how the strategy
+    orders or shards parameters. Same collective and rank-0 rules as ``full_state_dict``.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    live = _storages(v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
+    return _map_tensors(state, lambda tensor: _own_cpu_copy(tensor, live))
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, from_rank0: bool = False
+) -> None:
+    """Inverse of ``full_optimizer_state_dict``, with ``load_full_state_dict``'s ``from_rank0`` rule.
+
+    Call it after the optimizer exists and before its first step; the state it loads
+    is sliced to this rank's shards.
+    """
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_optimizer_state_dict(model, optimizer, _copy_containers(state_dict), options=options)
+
+
+def _storages(tensors) -> set[int]:
+    return {
+        (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors
+    } - {0}
+
+
+def _own_cpu_copy(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    """torch hands back the live tensor itself where nothing had to be gathered (plain
+    parameters, Adam's step counters, anything already on CPU); such a "copy" would
+    keep changing with training, so it is copied here. Gathered tensors are new already."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    if tensor.untyped_storage().data_ptr() in live:
+        return tensor.to("cpu", copy=True)
+    return tensor.cpu()
+
+
+def _map_tensors(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def _copy_containers(value: Any) -> Any:
+    """New dicts and lists around the same tensors: torch's loaders replace entries of the
+    state dict they are given with this rank's shards, which must not leak to the caller."""
+    if isinstance(value, dict):
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_containers(v) for v in value]
+    return value
 
 
 def gather_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -95,11 +194,11 @@ def gather_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     """
     from distlm.parallel.zero1 import Zero1Optimizer
 
-    model_state = get_model_state_dict(model, options=_GATHER)
+    model_state = full_state_dict(model)
     if isinstance(optimizer, Zero1Optimizer):
         full = optimizer.full_state_dict()
         return model_state, _rekey(full, dict(enumerate(parameter_names(model)))) if full is not None else {}
-    return model_state, get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    return model_state, full_optimizer_state_dict(model, optimizer)
 
 
 def consolidated_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -107,20 +206,19 @@ def consolidated_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     The same gathering the checkpoint and export use, without the rank-0-only offload.
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     names = set(parameter_names(model))
-    return {name: tensor.detach().clone() for name, tensor in state.items() if name in names}
+    return {name: tensor for name, tensor in full_state_dict(model, rank0_only=False).items() if name in names}
 
 
 def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
     """Every rank passes the whole state; each keeps its own shard of it."""
     from distlm.parallel.zero1 import Zero1Optimizer
 
-    set_model_state_dict(model, model_state, options=_LOAD_FULL)
+    load_full_state_dict(model, model_state)
     if isinstance(optimizer, Zero1Optimizer):
         optimizer.load_state_dict(_rekey(optim_state, {n: i for i, n in enumerate(parameter_names(model))}))
     else:
-        set_optimizer_state_dict(model, optimizer, optim_state, options=_LOAD_FULL)
+        load_full_optimizer_state_dict(model, optimizer, optim_state)
 
 
 def parameter_names(model: torch.nn.Module) -> list[str]:

@@ -35,7 +35,7 @@ from distlm.metrics import TrainStats, Printer
 from distlm.models import arch_task, build_model
 from distlm.optim import LRSchedule, build_optimizer
 from distlm.memory import memory_report
-from distlm.parallel.api import build_comm_hook, check_strategy, gradient_sync, parallelize, unwrap
+from distlm.parallel.api import build_comm_hook, check_strategy, gradient_sync, parallelize
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
 from distlm.parallel.tp import local_value, loss_context, validate_tp

@@ -21,16 +21,13 @@ from distributed import run_distributed
 from distlm.errors import UsageError
 from distlm.memory import memory_report, zero_formula_bytes
 from distlm.models import build_model
-from distlm.parallel.fsdp import (
-    apply_fsdp,
-    check_cpu_offload,
-    fsdp_dtypes,
+from distlm.checkpoint import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
-    set_gradient_sync,
 )
+from distlm.parallel.fsdp import apply_fsdp, check_cpu_offload, fsdp_dtypes, set_gradient_sync
 
 # 65 is odd on purpose: the embedding and output rows and RoBERTa's LM-head bias then
 # split 33/32 over 2 ranks, so FSDP's padding of uneven shards is exercised.

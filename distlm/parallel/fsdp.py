@@ -11,27 +11,17 @@ Gradients are averaged over the data-parallel group, exactly as DDP averages the
 pre- and a post-division by ~sqrt(N)). The trainer's loss factor (dp degree / global
 target tokens) therefore needs no change.
 
-Checkpoints and export go through ``torch.distributed.checkpoint.state_dict``: the
-gathered state carries the single-device parameter names (those of
-``model.state_dict()`` without sharding), whatever strategy wrote it.
+Checkpoints and export gather the sharded state in distlm/checkpoint.py, under the
+single-device parameter names, whatever strategy wrote it.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlm.errors import UsageError
@@ -164,101 +154,3 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled, recurse=True)
-
-
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """Consolidated weights on CPU under the single-device names, as tensors of their own.
-
-    A collective under FSDP: every rank must call it. With ``rank0_only`` (the
-    default) only rank 0 receives the tensors and the other ranks get ``{}``, so no
-    rank but the writer holds a full copy. Works for plain and DDP models too.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_model_state_dict(model, options=options)
-    live = _storages(list(model.parameters()) + list(model.buffers()))
-    # Tied names keep sharing one tensor, so export still stores it once.
-    copies: dict[tuple, torch.Tensor] = {}
-    result = {}
-    for name, tensor in state.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
-        if key not in copies:
-            copies[key] = _own_cpu_copy(tensor, live)
-        result[name] = copies[key]
-    return result
-
-
-def load_full_state_dict(
-    model: nn.Module, state_dict: dict[str, torch.Tensor], *, from_rank0: bool = False
-) -> None:
-    """Inverse of ``full_state_dict``; each rank keeps only its own shard.
-
-    By default every rank passes the full weights (each rank has read the checkpoint
-    file). With ``from_rank0`` only rank 0 does, the others pass ``{}`` and rank 0's
-    tensors are broadcast, so one full copy exists at a time (collective; FSDP only).
-    """
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
-    set_model_state_dict(model, _copy_containers(state_dict), options=options)
-
-
-def full_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True
-) -> dict[str, Any]:
-    """Consolidated optimizer state keyed by parameter name (not index), on CPU.
-
-    Names rather than indices make the state independent of how the strategy
-    orders or shards parameters. Same collective and rank-0 rules as ``full_state_dict``.
-    """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_optimizer_state_dict(model, optimizer, options=options)
-    live = _storages(v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor))
-    return _map_tensors(state, lambda tensor: _own_cpu_copy(tensor, live))
-
-
-def load_full_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, from_rank0: bool = False
-) -> None:
-    """Inverse of ``full_optimizer_state_dict``, with ``load_full_state_dict``'s ``from_rank0`` rule.
-
-    Call it after the optimizer exists and before its first step; the state it loads
-    is sliced to this rank's shards.
-    """
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
-    set_optimizer_state_dict(model, optimizer, _copy_containers(state_dict), options=options)
-
-
-def _storages(tensors) -> set[int]:
-    return {
-        (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors
-    } - {0}
-
-
-def _own_cpu_copy(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
-    """torch hands back the live tensor itself where nothing had to be gathered (plain
-    parameters, Adam's step counters, anything already on CPU); such a "copy" would
-    keep changing with training, so it is copied here. Gathered tensors are new already."""
-    tensor = tensor.detach()
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    if tensor.untyped_storage().data_ptr() in live:
-        return tensor.to("cpu", copy=True)
-    return tensor.cpu()
-
-
-def _map_tensors(value: Any, fn) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    return value
-
-
-def _copy_containers(value: Any) -> Any:
-    """New dicts and lists around the same tensors: torch's loaders replace entries of the
-    state dict they are given with this rank's shards, which must not leak to the caller."""
-    if isinstance(value, dict):
-        return {k: _copy_containers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy_containers(v) for v in value]
-    return value
