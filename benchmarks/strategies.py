@@ -1,7 +1,7 @@
 """Step time and per-rank memory of each strategy on the same model and global batch, side by side.
 
     torchrun --nproc_per_node 2 benchmarks/strategies.py [--arch llama_tiny --rounds 8 --steps 3]
-    torchrun --nproc_per_node 4 benchmarks/strategies.py     # adds fsdp/zero1 x tp2 (2-D)
+    torchrun --nproc_per_node 4 benchmarks/strategies.py     # adds fsdp/zero1 x tp2 (2-D) from 4 ranks on
 
 Every strategy is a full distlm Trainer in the same process group, trained on the same
 global batch; rounds alternate between them (the order rotates every round) because this
@@ -20,21 +20,24 @@ import time
 import torch.distributed as dist
 
 from distlm.config import parse_args
+from distlm.mesh import ParallelDims
 from distlm.trainer import Trainer
 
 
 def strategies(world_size: int) -> dict[str, list[str]]:
-    """Name -> flags; --batch-size is set per data-parallel replica below."""
+    """Name -> flags; --batch-size is set per data-parallel replica below. The 2-D
+    combinations need two data-parallel replicas of a tp2 model, so 4 ranks or more."""
     runs = {"ddp": [], "zero1": ["--strategy", "zero1"], "fsdp": ["--strategy", "fsdp"],
             "ddp-tp2": ["--tp-degree", "2"]}
-    if world_size == 4:
+    if world_size >= 4 and world_size % 2 == 0:
         runs["fsdp-tp2"] = ["--strategy", "fsdp", "--tp-degree", "2"]
         runs["zero1-tp2"] = ["--strategy", "zero1", "--tp-degree", "2"]
     return runs
 
 
 def dp_degree(flags: list[str], world_size: int) -> int:
-    return world_size // (int(flags[flags.index("--tp-degree") + 1]) if "--tp-degree" in flags else 1)
+    tp = int(flags[flags.index("--tp-degree") + 1]) if "--tp-degree" in flags else 1
+    return ParallelDims(world_size=world_size, tp=tp).dp
 
 
 def timed(trainer: Trainer, batches, steps: int) -> float:

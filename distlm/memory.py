@@ -26,7 +26,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     params = list(model.parameters())
     param_bytes = _storage_bytes(params)
     grad_bytes = _storage_bytes(p.grad for p in params if p.grad is not None)
-    optimizer_bytes = _storage_bytes(_optimizer_tensors(optimizer)) if optimizer is not None else 0
+    optimizer_bytes = optimizer_state_bytes(optimizer) if optimizer is not None else 0
     return {
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
@@ -69,9 +69,14 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (local shards of DTensor moments)."""
+    return _storage_bytes(_optimizer_tensors(optimizer))
+
+
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     # ZeroRedundancyOptimizer keeps this rank's shard of the state in its inner
-    # optimizer (``.optim``); the wrapper's own ``state`` stays empty.
+    # optimizer (``.optim``); read it there, whatever the wrapper's own ``state`` holds.
     inner = getattr(optimizer, "optim", None)
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner

@@ -1,8 +1,9 @@
-"""ParallelDims: the one owner of the topology (degrees, their validation, named meshes).
+"""ParallelDims: the one owner of the topology (strategy, degrees, their validation, named meshes).
 
 A degree of 1 means that form of parallelism is off. The data-parallel degree is
-whatever the other degrees leave of the world size. Meshes are fetched by name, so
-strategies never compute rank arithmetic of their own.
+whatever the other degrees leave of the world size. Meshes and groups are fetched by
+name, and a rank's coordinates come from here, so strategies never compute rank
+arithmetic of their own.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distlm.errors import UsageError
 
+STRATEGIES = ("ddp", "zero1", "fsdp")
+
 
 @dataclass
 class ParallelDims:
     world_size: int
     dp: int = -1
     tp: int = 1
+    strategy: str = "ddp"
+    """How the data-parallel axis holds the model: ddp (replicas), zero1 (replicas,
+    sharded optimizer state) or fsdp (everything sharded)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.tp < 1:
             raise UsageError(f"--tp-degree must be at least 1, got {self.tp}")
         if self.dp == -1:
@@ -43,6 +51,18 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def replicas_share_parameters(self) -> bool:
+        """True when every data-parallel rank holds the same parameters (all but fsdp)."""
+        return self.strategy != "fsdp"
+
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """(dp rank, tp rank) of a global rank: the ("dp", "tp") mesh is laid out row-major,
+        so the tensor-parallel ranks of one replica are neighbours (one node, fast links)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        return divmod(rank, self.tp)
+
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The ("dp", "tp") mesh; None for a single process, which needs no process groups."""
         if self.world_size == 1:
@@ -59,3 +79,9 @@ class ParallelDims:
             # The world group itself: no extra gloo communicator to set up.
             return dist.group.WORLD
         return mesh["dp"].get_group()
+
+    def tp_group(self, device_type: str) -> dist.ProcessGroup | None:
+        """The ranks holding one replica's tensor-parallel shards; None without tensor parallel."""
+        if not self.tp_enabled:
+            return None
+        return self.build_mesh(device_type)["tp"].get_group()

@@ -32,7 +32,7 @@ from distlm.env import ClusterEnv, ExplicitLaunch, resolve_master_via_mpi
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.metrics import TrainStats, Printer
-from distlm.models import arch_task, build_model
+from distlm.models import arch_config, arch_task, build_model
 from distlm.optim import LRSchedule, build_optimizer
 from distlm.memory import memory_report
 from distlm.parallel.api import build_comm_hook, check_strategy, gradient_sync, parallelize
@@ -78,14 +78,20 @@ class Trainer:
         self.backend = get_backend(dist_cfg.device)
         self.backend.setup(self.env, config.precision_mode, dist_cfg.network)
         self.device = self.backend.device(self.env)
-        self.dims = ParallelDims(world_size=self.env.world_size, dp=dist_cfg.dp_degree, tp=dist_cfg.tp_degree)
-        check_strategy(dist_cfg)
+        self.dims = ParallelDims(
+            world_size=self.env.world_size, dp=dist_cfg.dp_degree, tp=dist_cfg.tp_degree, strategy=dist_cfg.strategy
+        )
+        check_strategy(dist_cfg, self.dims)
         check_cpu_offload(dist_cfg.cpu_offload, self.backend.name)
+        if model is None and self.dims.tp_enabled:
+            # A tp degree that cannot split the named arch fails before any rendezvous.
+            validate_tp(arch_config(config.model.arch), self.dims.tp, sequence_parallel=dist_cfg.sequence_parallel,
+                        tokens_per_sample=config.data.tokens_per_sample, arch=config.model.arch)
         if self.env.world_size > 1 and not dist.is_initialized():
             # An existing process group (the caller's own, or an earlier Trainer's) is reused.
             self.backend.init_process_group(self.env, datetime.timedelta(seconds=dist_cfg.timeout_sec))
         self.dp_group = self.dims.dp_group(self.device.type)
-        self.dp_rank = self.env.rank // self.dims.tp  # mesh ("dp", "tp") is laid out row-major
+        self.dp_rank, _ = self.dims.coordinates(self.env.rank)
         if dist_cfg.fast_stat_sync:
             logger.info("--fast-stat-sync: accepted; distlm always reduces its statistics in one collective")
 
@@ -97,20 +103,20 @@ class Trainer:
             checkpoint.check_resumable(self.resume_state, resume_file, self.arch, self.task)
 
         self.data = train_data if train_data is not None else self._load_data()
-        self.model = self._build_model(model)
         self.precision = Precision.from_mode(
             config.precision_mode,
             config.precision.fp16_init_scale,
             config.precision.fp16_scale_window,
             config.precision.min_loss_scale,
         )
+        self.model = self._build_model(model)
         self.comm_hook = None
         if self.dims.dp_enabled and dist_cfg.strategy in ("ddp", "zero1"):
             ranks_per_node = dist_cfg.ranks_per_node or self.env.local_world_size
             self.comm_hook = build_comm_hook(dist_cfg, self.dims, ranks_per_node, self.device.type)
         elif dist_cfg.comm_hook != "allreduce" or dist_cfg.double_buffering or dist_cfg.comm_transport != "torch":
             logger.info("one data-parallel replica: no gradient all-reduce, so the comm hook settings do nothing")
-        if self.dims.tp_enabled:
+        if self.dims.tp_enabled and model is not None:  # a named arch was checked before the rendezvous
             validate_tp(self.model, self.dims.tp, sequence_parallel=dist_cfg.sequence_parallel,
                         tokens_per_sample=config.data.tokens_per_sample, arch=self.arch)
         self.model = parallelize(
@@ -188,7 +194,7 @@ class Trainer:
             with torch.no_grad():
                 model.init_weights()
         self.uses_masked_tokens = self.task == "masked_lm" and "masked_tokens" in _forward_params(model)
-        return model.to(device=self.device, dtype=Precision.from_mode(cfg.precision_mode).param_dtype)
+        return model.to(device=self.device, dtype=self.precision.param_dtype)
 
     # ----------------------------------------------------------------- checkpoint
 
@@ -317,9 +323,11 @@ class Trainer:
             transport = isinstance(err, dist.DistError) or any(
                 word in cause.lower() for word in ("timed out", "timeout", "connection", "gloo", "nccl")
             )
-            if self.dp_group is None or not transport:
+            if self.env.world_size == 1 or not transport:
                 raise
-            ranks = dist.get_process_group_ranks(self.dp_group)
+            # An update's collectives span the dp group, the tp group and the world (the
+            # token count), so the ranks that may be missing are all of them.
+            ranks = list(range(self.env.world_size))
             raise CollectiveFailure(
                 f"rank {self.env.rank}: a collective of update {self.num_updates + 1} among ranks {ranks} "
                 f"did not complete (--timeout-sec {self.config.distributed.timeout_sec:g}): {cause}. "
@@ -439,21 +447,45 @@ class Trainer:
 
     @torch.no_grad()
     def check_replicas(self) -> None:
-        """Every data-parallel replica must hold bit-identical parameters after every update."""
-        if self.dp_group is None or self.config.distributed.strategy == "fsdp":
-            return  # FSDP ranks hold different shards by design: there are no replicas to compare
-        mine = torch.stack([_bitwise_digest(p) for p in self.model.parameters()]).cpu()
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.dp_group))]
-        dist.all_gather(gathered, mine, group=self.dp_group)
+        """Every copy of a parameter must be bit-identical after every update.
+
+        Copies live on the ranks of the data-parallel group (unless FSDP shards it, by
+        design) and, for whatever tensor parallel leaves whole (norms, RoBERTa's
+        embeddings, replicated DTensors), on the ranks of the tensor-parallel group.
+        """
+        params = list(self.model.parameters())
         names = checkpoint.parameter_names(self.model)
-        ranks = dist.get_process_group_ranks(self.dp_group)
-        for rank, theirs in zip(ranks, gathered):
-            differs = (theirs != gathered[0]).any(dim=1).nonzero()
-            if len(differs):
-                raise RuntimeError(
-                    f"--check-replicas: after update {self.num_updates}, parameter {names[int(differs[0])]} "
-                    f"differs between data-parallel ranks {ranks[0]} and {rank}"
-                )
+        if self.dims.dp_enabled and self.dims.replicas_share_parameters:
+            _compare_copies(params, names, self.dp_group, "data-parallel", self.num_updates)
+        if self.dims.tp_enabled:
+            whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp")]
+            _compare_copies([params[i] for i in whole], [names[i] for i in whole],
+                            self.dims.tp_group(self.device.type), "tensor-parallel", self.num_updates)
+
+
+def _sharded_on(param: torch.Tensor, mesh_dim: str) -> bool:
+    """Whether a (DTensor) parameter is split along the named mesh dimension."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return mesh_dim in names and param.placements[names.index(mesh_dim)].is_shard()
+
+
+def _compare_copies(params: list[torch.Tensor], names: list[str], group, kind: str, update: int) -> None:
+    """RuntimeError naming the first parameter whose local tensor differs across ``group``."""
+    if not params:
+        return
+    mine = torch.stack([_bitwise_digest(p) for p in params]).cpu()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for rank, theirs in zip(ranks, gathered):
+        differs = (theirs != gathered[0]).any(dim=1).nonzero()
+        if len(differs):
+            raise RuntimeError(
+                f"--check-replicas: after update {update}, parameter {names[int(differs[0])]} "
+                f"differs between {kind} ranks {ranks[0]} and {rank}"
+            )
 
 
 def _bitwise_digest(tensor: torch.Tensor) -> torch.Tensor:

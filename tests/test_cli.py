@@ -137,3 +137,24 @@ def test_example_configs_parse():
     assert configs
     for path in configs:
         parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    "arch, tp, expected",
+    [("llama_tiny", 4, "--tp-degree 4 does not divide n_heads 6"), ("llama_tiny", 3, "--tp-degree 3 does not divide n_kv_heads 2")],
+)
+def test_tp_degree_the_model_cannot_split_fails_before_the_rendezvous(arch, tp, expected, data_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """Rank 0 of a 12-rank torchrun job whose peers never come: the error must come first,
+    not a rendezvous timeout (nothing listens on the master port)."""
+    from test_env import torchrun_env
+
+    env = torchrun_env(rank=0, WORLD_SIZE="12", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="3",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = ["--data", data_dir, "--save-dir", str(tmp_path), "--device", "cpu", "--arch", arch,
+            "--tp-degree", str(tp), "--timeout-sec", "5"]
+    code, lines = run_main(argv, capsys)
+    assert code == 2
+    assert len(lines) == 1 and expected in lines[0], lines

@@ -27,7 +27,8 @@ from distlm.checkpoint import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from distlm.parallel.fsdp import apply_fsdp, check_cpu_offload, fsdp_dtypes, set_gradient_sync
+from distlm.parallel.api import gradient_sync
+from distlm.parallel.fsdp import apply_fsdp, check_cpu_offload, fsdp_dtypes
 
 # 65 is odd on purpose: the embedding and output rows and RoBERTa's LM-head bias then
 # split 33/32 over 2 ranks, so FSDP's padding of uneven shards is exercised.
@@ -120,8 +121,8 @@ def train(model, optimizer, arch, batches, rank=0, dp=1, micro_batches=1, after_
             local = local_slice(batch, r, dp)
             chunks = [local_slice(local, i, micro_batches) for i in range(micro_batches)]
             for i, chunk in enumerate(chunks):
-                set_gradient_sync(model, i == micro_batches - 1)
-                (loss_sum(model, arch, chunk) * scale).backward()
+                with gradient_sync(model, i == micro_batches - 1):  # the trainer's own switch
+                    (loss_sum(model, arch, chunk) * scale).backward()
                 if after_micro_batch is not None:
                     after_micro_batch(i, model)
             if emulate_ranks:

@@ -1,4 +1,4 @@
-"""ParallelDims: degrees, validation and named meshes, from 64 fake ranks to 4 real ones."""
+"""ParallelDims: degrees, validation and named meshes, from 64 fake ranks to 2 and 4 real ones."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def test_degrees_that_do_not_fit_are_refused(world, dp, tp, flag):
         ParallelDims(world_size=world, dp=dp, tp=tp)
 
 
+def test_an_unknown_strategy_is_refused():
+    with pytest.raises(UsageError, match="--strategy 'zero3'"):
+        ParallelDims(world_size=8, strategy="zero3")
+    assert not ParallelDims(world_size=8, strategy="fsdp").replicas_share_parameters
+    assert ParallelDims(world_size=8, strategy="zero1").replicas_share_parameters
+
+
 def test_meshes_of_64_ranks_with_the_fake_process_group():
     """Shapes and group membership at 64 ranks, without 64 processes."""
     store = FakeStore()
@@ -46,19 +53,36 @@ def test_meshes_of_64_ranks_with_the_fake_process_group():
             dist.destroy_process_group()
 
 
-def groups_on_real_ranks(tp: int) -> tuple[list[int], list[int]]:
+def groups_on_real_ranks(tp: int) -> dict:
+    import datetime
     import os
 
-    dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp)
     from distlm.backends.cpu import CpuBackend
     from distlm.env import ClusterEnv
-    import datetime
 
-    CpuBackend().init_process_group(ClusterEnv.detect(), datetime.timedelta(seconds=60))
+    env = ClusterEnv.detect()
+    dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp)
+    CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))
     mesh = dims.build_mesh("cpu")
-    return dist.get_process_group_ranks(dims.dp_group("cpu")), dist.get_process_group_ranks(mesh["tp"].get_group())
+    tp_group = dims.tp_group("cpu")
+    return {
+        "dp": dist.get_process_group_ranks(dims.dp_group("cpu")),
+        "tp": dist.get_process_group_ranks(tp_group) if tp_group is not None else None,
+        # ParallelDims' own arithmetic agrees with the mesh torch built.
+        "coordinates": dims.coordinates(env.rank) == (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()),
+    }
 
 
-def test_meshes_on_four_real_gloo_ranks():
-    groups = run_distributed(groups_on_real_ranks, 4, 2)
-    assert groups == [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]
+@pytest.mark.parametrize(
+    "world, tp, expected",
+    [
+        (2, 1, [([0, 1], None), ([0, 1], None)]),
+        (2, 2, [([0], [0, 1]), ([1], [0, 1])]),
+        (4, 2, [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]),
+    ],
+    ids=["2-ranks-dp2", "2-ranks-tp2", "4-ranks-dp2-tp2"],
+)
+def test_meshes_on_real_gloo_ranks(world, tp, expected):
+    groups = run_distributed(groups_on_real_ranks, world, tp)
+    assert [(g["dp"], g["tp"]) for g in groups] == expected
+    assert all(g["coordinates"] for g in groups)

@@ -1,44 +1,145 @@
 """Sharded strategies through the Trainer: same model as one process, and the memory they promise.
 
 Each test runs 5 updates of the same global batch as a single-process reference
-computed here, and compares the consolidated parameters (gathered the way checkpoints
-and export gather them).
+computed here, and compares the weights exported from the checkpoint the run wrote.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
+from safetensors import safe_open
 
 from distributed import run_distributed
+from distlm import checkpoint, export
+from distlm.checkpoint import consolidated_parameters
 from distlm.config import parse_args
 from distlm.memory import zero_formula_bytes
 from distlm.trainer import Trainer
-from test_ddp import PARAM_ATOL, assert_params_close, common_args, data_dir, train  # noqa: F401 - fixture
+from test_ddp import PARAM_ATOL, UPDATES, assert_params_close, common_args, data_dir, train  # noqa: F401 - fixture
 
 GLOBAL_BATCH = 8
 
 
+def train_and_export(args: list[str], export_to: str) -> dict:
+    """Train, write a checkpoint, and on rank 0 export it: the weights a user would take away."""
+    trainer = Trainer(parse_args(args))
+    batches = trainer.update_batches()
+    gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(UPDATES)]
+    trainer.save_checkpoint()  # collective: gathers every shard (and ZeRO-1's optimizer partitions)
+    result = {"gnorms": gnorms, "params": consolidated_parameters(trainer.model)}
+    if trainer.is_main:
+        export.export(str(Path(trainer.config.checkpoint.save_dir) / checkpoint.LAST), export_to)
+        with safe_open(export_to, "pt") as exported:
+            aliases = json.loads(exported.metadata()["tied_weights"])
+            weights = {name: exported.get_tensor(name) for name in exported.keys()}
+        result["exported"] = {**weights, **{alias: weights[target] for alias, target in aliases.items()}}
+    return result
+
+
+# (strategy, tp degree, world size, micro-batches per update, extra flags). The flags
+# alternate so that tensor parallel runs with and without sequence shards, one case runs
+# the whole fixed order (tensor parallel, then activation checkpointing, then FSDP), and
+# gradient accumulation skips the reduction on the first micro-batch under both FSDP and
+# replicate (the data parallelism of tensor-parallel DDP).
+CASES = {
+    "fsdp-accumulating": ("fsdp", 1, 2, 2, []),
+    "zero1": ("zero1", 1, 2, 1, []),
+    "ddp-tp2": ("ddp", 2, 2, 1, []),
+    "ddp2-tp2-sp-accumulating": ("ddp", 2, 4, 2, ["--sequence-parallel"]),
+    "fsdp-tp2-sp-ac": ("fsdp", 2, 4, 1, ["--sequence-parallel", "--activation-checkpointing"]),
+    "zero1-tp2": ("zero1", 2, 4, 1, []),
+}
+
+
 @pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
-@pytest.mark.parametrize(
-    "strategy, tp, world_size",
-    [("fsdp", 1, 2), ("zero1", 1, 2), ("ddp", 2, 2), ("fsdp", 2, 4), ("zero1", 2, 4)],
-    ids=["fsdp", "zero1", "ddp-tp2", "fsdp-tp2", "zero1-tp2"],
-)
-def test_strategy_trains_like_one_process(data_dir, tmp_path, strategy, tp, world_size, arch):
-    # Same tolerance as DDP (PARAM_ATOL, see test_ddp.py): every combination computes the
-    # same gradients up to fp32 reassociation (half batches, sharded matmuls, all-reduced
-    # partial sums); measured differences are below 1e-6. --batch-size is per data-parallel
-    # replica: the tensor-parallel ranks of one replica see the same batch.
-    args = common_args(data_dir, str(tmp_path), arch)
+@pytest.mark.parametrize("case", CASES)
+def test_strategy_trains_like_one_process(data_dir, tmp_path, case, arch):
+    """5 updates of the same global batch as one process; the exported weights match it.
+
+    Tolerance: the same as DDP's (PARAM_ATOL, see test_ddp.py): every combination computes
+    the same gradients up to fp32 reassociation (half batches, sharded matmuls,
+    all-reduced partial sums); measured differences are below 1e-6. --batch-size is per
+    data-parallel replica: the tensor-parallel ranks of one replica see the same batch.
+    Replicas must agree exactly: --check-replicas compares every copy bit for bit after
+    every update (dp replicas, and whatever tensor parallel leaves whole on the tp ranks),
+    and the consolidated weights are identical on every rank.
+    """
+    strategy, tp, world_size, update_freq, extra = CASES[case]
+    args = common_args(data_dir, str(tmp_path / "reference"), arch)
     reference = train(args + ["--batch-size", str(GLOBAL_BATCH)])
     dp = world_size // tp
-    extra = ["--tp-degree", str(tp), "--sequence-parallel"] if tp > 1 else []
-    ranks = run_distributed(train, world_size, args + ["--batch-size", str(GLOBAL_BATCH // dp), "--strategy", strategy,
-                                                        "--check-replicas", *extra], timeout=300)
-    for result in ranks:
-        assert_params_close(result["params"], reference["params"], PARAM_ATOL)
-        np.testing.assert_allclose(result["gnorms"], reference["gnorms"], rtol=1e-5)
+    saved = [a for a in common_args(data_dir, str(tmp_path / "run"), arch) if a != "--no-save"]
+    ranks = run_distributed(
+        train_and_export, world_size,
+        saved + ["--batch-size", str(GLOBAL_BATCH // dp // update_freq), "--update-freq", str(update_freq),
+                 "--strategy", strategy, "--tp-degree", str(tp), "--check-replicas", *extra],
+        str(tmp_path / "model.safetensors"),
+        timeout=300,
+    )
+    assert_params_close(ranks[0]["exported"], reference["params"], PARAM_ATOL)
+    np.testing.assert_allclose(ranks[0]["gnorms"], reference["gnorms"], rtol=1e-5)
+    for result in ranks[1:]:
+        assert result["gnorms"] == ranks[0]["gnorms"]
+        for name, value in ranks[0]["params"].items():
+            assert torch.equal(result["params"][name], value), name
+
+
+def resume_under(args: list[str], updates: int) -> dict:
+    trainer = Trainer(parse_args(args))
+    batches = trainer.update_batches()
+    for _ in range(updates):
+        trainer.train_step(next(batches))
+    trainer.save_checkpoint()
+    return {"resumed_at": trainer.resume_state and trainer.resume_state["num_updates"],
+            "params": consolidated_parameters(trainer.model)}
+
+
+def test_checkpoint_moves_between_strategies(data_dir, tmp_path):
+    """3 updates under zero1 x tp2 on 4 ranks, then 2 more under fsdp on 2 ranks from its
+    checkpoint, match 5 single-process updates: the checkpoint holds whole, single-device
+    named state (parameters and Adam moments), whatever sharded it (same tolerance as above)."""
+    args = common_args(data_dir, str(tmp_path / "reference"), "llama_tiny")
+    reference = train(args + ["--batch-size", str(GLOBAL_BATCH)])
+    saved = [a for a in common_args(data_dir, str(tmp_path / "run"), "llama_tiny") if a != "--no-save"]
+    first = run_distributed(resume_under, 4, saved + ["--batch-size", str(GLOBAL_BATCH // 2), "--strategy", "zero1",
+                                                       "--tp-degree", "2"], 3, timeout=300)
+    second = run_distributed(resume_under, 2, saved + ["--batch-size", str(GLOBAL_BATCH // 2), "--strategy", "fsdp"],
+                             UPDATES - 3, timeout=300)
+    assert first[0]["resumed_at"] is None and second[0]["resumed_at"] == 3
+    assert_params_close(second[0]["params"], reference["params"], PARAM_ATOL)
+
+
+def test_tensor_parallel_gradients_and_replicated_copies(data_dir, tmp_path):
+    """On 2 tp ranks: each rank holds gradients exactly the size of its parameter shards
+    (the vocabulary-parallel embedding's included), and --check-replicas names a
+    replicated parameter whose copies drift apart, but not a shard that differs."""
+    results = run_distributed(_tensor_parallel_probe, 2, common_args(data_dir, str(tmp_path), "llama_tiny"))
+    for result in results:
+        assert result["memory"]["grad_bytes"] == result["memory"]["param_bytes"], result["memory"]
+        assert result["drift"] == ("tensor-parallel", "norm.weight")
+
+
+def _tensor_parallel_probe(args: list[str]) -> dict:
+    trainer = Trainer(parse_args(args + ["--batch-size", "4", "--tp-degree", "2", "--log-interval", "1"]))
+    trainer.train_step(next(trainer.update_batches()))
+    model = trainer.model
+    with torch.no_grad():
+        if trainer.env.rank == 1:
+            # Shards differ by design: a change to one rank's shard of wq is not a replica drifting.
+            model.layers[0].attention.wq.weight.to_local().add_(1.0)
+        trainer.check_replicas()
+        if trainer.env.rank == 1:
+            model.norm.weight.add_(1e-7)  # a replicated norm: every tp rank must hold the same bits
+    with pytest.raises(RuntimeError, match="--check-replicas") as caught:
+        trainer.check_replicas()
+    message = str(caught.value)
+    drift = message.split(" ranks ")[0].split("between ")[1], message.split("parameter ")[1].split(" ")[0]
+    return {"memory": trainer.last_memory, "drift": drift}
 
 
 def fit_and_report(args: list[str]) -> dict:
@@ -47,8 +148,6 @@ def fit_and_report(args: list[str]) -> dict:
 
 
 def single_device_parameter_count(args: list[str]) -> int:
-    from distlm.checkpoint import consolidated_parameters
-
     trainer = Trainer(parse_args(args + ["--max-update", "1"]))
     return sum(t.numel() for t in consolidated_parameters(trainer.model).values())
 
@@ -85,3 +184,28 @@ def test_activation_checkpointing_recomputes_the_same_training(data_dir, tmp_pat
     for name, value in plain["params"].items():
         assert (recomputed["params"][name] == value).all(), name
     assert recomputed["gnorms"] == plain["gnorms"]
+
+
+def saved_activation_bytes(args: list[str]) -> int:
+    """Bytes autograd keeps for backward after one forward of the Trainer's model."""
+    trainer = Trainer(parse_args(args))
+    batch = {k: v.to(trainer.device) for k, v in next(trainer.update_batches())[0].items()}
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.model(batch["input_ids"])
+    return saved
+
+
+@pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
+def test_activation_checkpointing_keeps_less_for_backward(data_dir, tmp_path, arch):
+    """The flag really recomputes: the blocks' activations are not kept (their inputs are),
+    so far less is saved (weights count alike in both)."""
+    args = common_args(data_dir, str(tmp_path), arch) + ["--batch-size", "4"]
+    plain, recomputed = saved_activation_bytes(args), saved_activation_bytes(args + ["--activation-checkpointing"])
+    assert recomputed < 0.5 * plain, (recomputed, plain)

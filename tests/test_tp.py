@@ -1,8 +1,9 @@
 """Tensor parallel (+ sequence parallel, loss parallel) trains the same model as one process.
 
 The single-process reference is computed here, in the test process; the parallel runs
-are real gloo processes (2 ranks for tp2, 4 for dp2 x tp2) that train the same model from
-the same seed on the same global batch and compare their gathered parameters with it.
+are real gloo processes (2 ranks) that train the same model from the same seed on the
+same global batch and compare their gathered parameters with it. Tensor parallel combined
+with data parallelism runs through the Trainer in tests/test_strategies.py.
 Several configurations share one spawned job, because starting processes dominates the
 time on this 2-core machine.
 """
@@ -233,48 +234,6 @@ def test_tp2_equals_single_process(references):
         assert ranks[0][arch, "reload"]
     assert ranks[0]["dropout", True] == ranks[1]["dropout", True]
     assert ranks[0]["dropout", False] != ranks[1]["dropout", False]
-
-
-# ---------------------------------------------------------------- dp2 x tp2
-
-
-def _dp_tp_job(reference_path: str) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from distlm.parallel.tp import apply_replicate, apply_tp, clip_grad_norm_, loss_context
-
-    refs = torch.load(reference_path, weights_only=True)
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh["dp"].get_local_rank()
-    out: dict = {}
-    for arch in ARCH_NAMES:
-        ids, targets = make_batch(arch)
-        ntok = int(targets.ne(-100).sum())
-        # This replica's half of the global batch, as two micro-batches of one sample:
-        # gradients are reduced over dp on the last only (DDP's no_sync equivalent).
-        mine = list(zip(ids.chunk(2)[dp_rank].chunk(2), targets.chunk(2)[dp_rank].chunk(2)))
-        model = apply_tp(build(arch), mesh["tp"], sequence_parallel=True, loss_parallel=True)
-        model = apply_replicate(model, mesh["dp"])
-        # The replicas average gradients (as DDP does); x dp makes it the global token sum.
-        gnorms, grads = train(
-            model, arch, mine, 2.0 / ntok, clip_grad_norm_, lambda: loss_context(model), model.set_requires_gradient_sync
-        )
-        params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        out[arch] = compare(refs[arch], params, grads, gnorms)
-        out[arch]["local"] = {n: digest(local(p)) for n, p in model.named_parameters()}
-    return out
-
-
-def test_dp2_tp2_equals_single_process(references):
-    ranks = run_distributed(_dp_tp_job, 4, references, timeout=300)
-    for arch in ARCH_NAMES:
-        check(ranks[0][arch], f"{arch} dp2 x tp2")
-        # Ranks (dp, tp) = 2*dp + tp: the two replicas hold bitwise-equal shards.
-        assert ranks[0][arch]["local"] == ranks[2][arch]["local"]
-        assert ranks[1][arch]["local"] == ranks[3][arch]["local"]
 
 
 # ------------------------------------------------------------------ no processes

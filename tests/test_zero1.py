@@ -116,9 +116,9 @@ def _zero1_job(archs: list[str], save_dir: str) -> dict:
 
 
 def _zero1_run(arch: str, save_path: str) -> dict:
-    from distlm.memory import memory_report
+    from distlm.memory import memory_report, optimizer_state_bytes
     from distlm.parallel.ddp import apply_ddp
-    from distlm.parallel.zero1 import Zero1Optimizer, build_zero1_optimizer, full_optimizer_state_dict
+    from distlm.parallel.zero1 import Zero1Optimizer, build_zero1_optimizer
 
     rank = dist.get_rank()
     cfg = optim_config()
@@ -141,7 +141,7 @@ def _zero1_run(arch: str, save_path: str) -> dict:
         if update == 1:  # gradients still alive: the memory report counts them
             out["memory"] = memory_report(ddp, optimizer)
         if update == SAVE_AT:
-            state = full_optimizer_state_dict(optimizer)  # collective on every rank
+            state = optimizer.full_state_dict()  # collective on every rank
             # torch's own route (collective consolidate, then state_dict on the target) agrees.
             optimizer.consolidate_state_dict(to=0)
             if rank == 0:
@@ -156,7 +156,7 @@ def _zero1_run(arch: str, save_path: str) -> dict:
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["owned"] = sorted(names[p] for p in optimizer.state)
     out["numel"] = {n: p.numel() for n, p in model.named_parameters()}
-    out["state_bytes"] = optimizer.local_state_bytes()
+    out["state_bytes"] = optimizer_state_bytes(optimizer)
 
     # Resume from the checkpoint into a differently initialised model: every rank loads the full file.
     checkpoint = torch.load(save_path, weights_only=True)
@@ -181,7 +181,7 @@ def _same_state(a: dict, b: dict) -> bool:
 
 def _zero1_fp16_run() -> dict:
     """--memory-efficient-fp16: fp16 weights, fp32 moments that stay fp32 through a checkpoint."""
-    from distlm.parallel.zero1 import build_zero1_optimizer, full_optimizer_state_dict
+    from distlm.parallel.zero1 import build_zero1_optimizer
 
     cfg = optim_config()
     torch.manual_seed(0)
@@ -190,7 +190,7 @@ def _zero1_fp16_run() -> dict:
     for p in half.parameters():
         p.grad = torch.full_like(p, 1e-3)  # as if all-reduced: the same on every rank
     optimizer.step()
-    state = [full_optimizer_state_dict(optimizer)]
+    state = [optimizer.full_state_dict()]
     dist.broadcast_object_list(state, src=0)
     optimizer.load_state_dict(state[0])
     optimizer.step()
@@ -320,7 +320,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from distlm.memory import memory_report
+    from distlm.memory import memory_report, optimizer_state_bytes
     from distlm.parallel.zero1 import Zero1Optimizer, build_zero1_optimizer
 
     dist.init_process_group("gloo")
@@ -378,7 +378,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
     out["dtensor"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
     out["owned"] = sorted(names[p] for p in optimizer.state)
     out["local_numel"] = {n: t.numel() for n, t in out["local"].items()}
-    out["state_bytes"] = optimizer.local_state_bytes()
+    out["state_bytes"] = optimizer_state_bytes(optimizer)
 
     checkpoint = torch.load(save_path, weights_only=True)
     resumed, optimizer = build(99)

@@ -67,6 +67,11 @@ def arch_task(arch: str) -> str:
     return model_class.task
 
 
+def arch_config(arch: str) -> RobertaConfig | LlamaConfig:
+    """The named arch's configuration (a copy), e.g. to check a tp degree before building anything."""
+    return dataclasses.replace(_lookup(arch)[1])
+
+
 def _accepts(annotation: object, value: object) -> bool:
     """Whether ``value`` fits a config field annotated ``int``, ``float`` or ``X | None``."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):

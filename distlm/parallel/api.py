@@ -1,9 +1,10 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
-The order is: tensor parallel, then activation checkpointing, then compile, then FSDP
-or DDP with its communication hook. Each strategy is one ``apply_*`` call in this
-sequence, never a change to the model code. ZeRO-1 is DDP here plus a sharded optimizer,
-which the trainer builds after this.
+The order is: tensor parallel, then activation checkpointing, then FSDP or DDP with its
+communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
+Each strategy is one ``apply_*`` call in this sequence, never a change to the model
+code, and logs one line. ZeRO-1 is DDP here plus a sharded optimizer, which the trainer
+builds after this.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ def parallelize(
         from distlm.parallel.tp import apply_tp
 
         model = apply_tp(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel, loss_parallel=True)
-        logger.info("applied tensor parallel of degree %d%s, vocabulary-parallel loss", dims.tp,
-                    " with sequence parallel" if cfg.sequence_parallel else "")
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
         logger.info("applied activation checkpointing to %d blocks", len(model.layers))
@@ -56,7 +55,6 @@ def parallelize(
         from distlm.parallel.tp import apply_replicate
 
         model = apply_replicate(model, mesh["dp"])
-        logger.info("applied data parallel (replicate) over %d replicas of the tensor-parallel model", dims.dp)
     elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
         model = apply_ddp(model, device, dims.dp_group(device.type), cfg.bucket_cap_mb, comm_hook)
         logger.info(
@@ -72,6 +70,11 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block's activations in backward (torch's checkpoint wrapper, non-reentrant)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if not isinstance(getattr(model, "layers", None), torch.nn.ModuleList):
+        raise UsageError(
+            f"--activation-checkpointing wraps each block of model.layers, and {type(model).__name__} has no "
+            "nn.ModuleList named layers; drop the flag or keep the model's blocks there"
+        )
     for index, block in enumerate(model.layers):
         model.layers[index] = checkpoint_wrapper(block)
 
@@ -89,7 +92,7 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
-def check_strategy(cfg: DistributedConfig) -> None:
+def check_strategy(cfg: DistributedConfig, dims: ParallelDims) -> None:
     """Combinations no strategy can run, refused before anything starts."""
     hooks_asked = cfg.comm_hook != "allreduce" or cfg.double_buffering or cfg.comm_transport != "torch"
     if cfg.strategy == "fsdp" and hooks_asked:
@@ -99,6 +102,11 @@ def check_strategy(cfg: DistributedConfig) -> None:
         )
     if cfg.cpu_offload and cfg.strategy != "fsdp":
         raise UsageError("--cpu-offload is an FSDP option; add --strategy fsdp or drop it")
+    if cfg.cpu_offload and not dims.dp_enabled:
+        raise UsageError(
+            "--cpu-offload offloads FSDP's shards, and with one data-parallel rank FSDP is not applied; "
+            "drop --cpu-offload or use more data-parallel ranks"
+        )
     if hooks_asked and cfg.tp_degree > 1:
         raise UsageError(
             "--comm-hook/--double-buffering/--comm-transport are DDP communication hooks, and DDP cannot hold "

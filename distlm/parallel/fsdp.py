@@ -22,7 +22,7 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlm.errors import UsageError
 
@@ -139,18 +139,3 @@ def _check_ties_stay_in_one_unit(model: nn.Module, layers: nn.ModuleList) -> Non
                     "FSDP shards each block separately, so tied weights must live in one block or "
                     "outside model.layers; use --strategy ddp"
                 )
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """FSDP's ``no_sync``: with ``enabled=False`` backward keeps accumulating unsharded
-    gradients and reduce-scatters nothing; set it back to True before the last
-    micro-batch's backward, which then reduce-scatters the accumulated sum once.
-
-    A no-op for a model that is not FSDP-sharded, so the trainer may call it always.
-    """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled, recurse=True)

@@ -209,26 +209,6 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
         # tensors); keep one object so optimizer.state stays this rank's shard.
         self.state = self.optim.state
 
-    def local_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (local shards of DTensor moments)."""
-        return sum(
-            _local(v).numel() * v.element_size()
-            for entry in self.optim.state.values()
-            for v in entry.values()
-            if isinstance(v, torch.Tensor)
-        )
-
-
-def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """For checkpoints, whatever the optimizer: the full state on the saving ranks.
-
-    ZeRO-1: collective (call on every rank), the dict on dp-rank 0, None elsewhere.
-    Any other optimizer: its own ``state_dict()``.
-    """
-    if isinstance(optimizer, Zero1Optimizer):
-        return optimizer.full_state_dict()
-    return optimizer.state_dict()
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
