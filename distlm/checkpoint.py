@@ -223,13 +223,17 @@ def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
 
 def parameter_names(model: torch.nn.Module) -> list[str]:
     """Single-device names of ``model.parameters()``, in that order (wrapper prefixes removed)."""
-    # DDP adds a leading "module."; compile and activation checkpointing insert a level anywhere.
-    inserted = {"_orig_mod", "_checkpoint_wrapped_module"}
-    names = []
-    for name, _ in model.named_parameters():
-        name = name.removeprefix("module.")
-        names.append(".".join(part for part in name.split(".") if part not in inserted))
-    return names
+    return [single_device_name(name) for name, _ in model.named_parameters()]
+
+
+# Levels that compile and activation checkpointing insert anywhere in a name.
+_INSERTED_LEVELS = {"_orig_mod", "_checkpoint_wrapped_module"}
+
+
+def single_device_name(name: str) -> str:
+    """A parameter's or buffer's name in the single-device model, whatever wraps it."""
+    name = name.removeprefix("module.")  # DDP's leading level
+    return ".".join(part for part in name.split(".") if part not in _INSERTED_LEVELS)
 
 
 def _rekey(optim_state: dict, key_of: dict) -> dict:

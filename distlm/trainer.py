@@ -102,6 +102,7 @@ class Trainer:
         if self.resume_state is not None:
             checkpoint.check_resumable(self.resume_state, resume_file, self.arch, self.task)
 
+        self._user_model = model
         self.data = train_data if train_data is not None else self._load_data()
         self.precision = Precision.from_mode(
             config.precision_mode,
@@ -120,7 +121,8 @@ class Trainer:
             validate_tp(self.model, self.dims.tp, sequence_parallel=dist_cfg.sequence_parallel,
                         tokens_per_sample=config.data.tokens_per_sample, arch=self.arch)
         self.model = parallelize(
-            self.model, self.dims, dist_cfg, self.device, self.comm_hook, precision_mode=config.precision_mode
+            self.model, self.dims, dist_cfg, self.device, self.comm_hook, precision_mode=config.precision_mode,
+            whole_model=self._whole_initialised_model_on_cpu if self._shards_materialised_later else None,
         )
         self._inflight_loss_scale = 1.0
         if dist_cfg.strategy == "zero1":
@@ -174,27 +176,56 @@ class Trainer:
         )
 
     def _build_model(self, model: torch.nn.Module | None) -> torch.nn.Module:
+        """The user's model, or the named arch: initialised whole here, or left on the meta
+        device when a sharded strategy will materialise only its own shards (see
+        ``parallel.api.materialise``)."""
         cfg = self.config
         if model is None:
-            overrides = {
-                k: v for k, v in (("dropout", cfg.model.dropout), ("attention_dropout", cfg.model.attention_dropout)) if v is not None
-            }
-            dictionary = self.data.dictionary
-            # Built on the meta device first: a large model is never materialised whole
-            # before parallelism decides where each piece lives.
-            with torch.device("meta"):
-                model = build_model(cfg.model.arch, vocab_size=len(dictionary), padding_idx=dictionary.pad(), **overrides)
+            model = self._new_arch_model()
             if cfg.data.tokens_per_sample > model.max_positions:
                 raise UsageError(
                     f"--tokens-per-sample {cfg.data.tokens_per_sample} exceeds --arch {cfg.model.arch}'s "
                     f"maximum of {model.max_positions} positions; lower --tokens-per-sample"
                 )
-            model.to_empty(device=self.device)
-            torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-            with torch.no_grad():
-                model.init_weights()
+            if not self._shards_materialised_later:
+                model = self._initialised(model)
         self.uses_masked_tokens = self.task == "masked_lm" and "masked_tokens" in _forward_params(model)
+        if self._shards_materialised_later:
+            return model.to(dtype=self.precision.param_dtype)  # still meta: no memory yet
         return model.to(device=self.device, dtype=self.precision.param_dtype)
+
+    @property
+    def _shards_materialised_later(self) -> bool:
+        """Whether the named arch stays on meta until parallelism has cut it into shards:
+        under FSDP or tensor parallel no rank but 0 ever holds the whole model."""
+        sharded = (self.dims.strategy == "fsdp" and self.dims.dp_enabled) or self.dims.tp_enabled
+        return sharded and self.config.model.arch is not None and self._user_model is None
+
+    def _new_arch_model(self) -> torch.nn.Module:
+        """The named arch on the meta device (no memory, no RNG drawn)."""
+        cfg = self.config
+        overrides = {
+            k: v for k, v in (("dropout", cfg.model.dropout), ("attention_dropout", cfg.model.attention_dropout)) if v is not None
+        }
+        dictionary = self.data.dictionary
+        with torch.device("meta"):
+            return build_model(cfg.model.arch, vocab_size=len(dictionary), padding_idx=dictionary.pad(), **overrides)
+
+    def _initialised(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Materialise a meta model whole on this rank's device and initialise it from the seed."""
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.config.seed)  # identical initial weights on every rank, and in one process
+        with torch.no_grad():
+            model.init_weights()
+        return model
+
+    def _whole_initialised_model_on_cpu(self) -> torch.nn.Module:
+        """What one process would train from (rank 0 builds it to fill the others' shards)."""
+        device, self.device = self.device, torch.device("cpu")
+        try:
+            return self._initialised(self._new_arch_model()).to(dtype=self.precision.param_dtype)
+        finally:
+            self.device = device
 
     # ----------------------------------------------------------------- checkpoint
 

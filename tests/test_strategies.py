@@ -115,16 +115,27 @@ def test_checkpoint_moves_between_strategies(data_dir, tmp_path):
 
 
 def test_tensor_parallel_gradients_and_replicated_copies(data_dir, tmp_path):
-    """On 2 tp ranks: each rank holds gradients exactly the size of its parameter shards
-    (the vocabulary-parallel embedding's included), and --check-replicas names a
-    replicated parameter whose copies drift apart, but not a shard that differs."""
+    """On 2 tp ranks: only rank 0 builds the whole model; each rank holds gradients exactly
+    the size of its parameter shards (the vocabulary-parallel embedding's included); and
+    --check-replicas names a replicated parameter whose copies drift apart, but not a
+    shard that differs."""
     results = run_distributed(_tensor_parallel_probe, 2, common_args(data_dir, str(tmp_path), "llama_tiny"))
+    # The model stayed on meta until sharded: only rank 0 ever built it whole (to broadcast it).
+    assert [result["whole_models"] for result in results] == [1, 0]
     for result in results:
         assert result["memory"]["grad_bytes"] == result["memory"]["param_bytes"], result["memory"]
         assert result["drift"] == ("tensor-parallel", "norm.weight")
 
 
 def _tensor_parallel_probe(args: list[str]) -> dict:
+    whole_models = []
+    build_whole = Trainer._whole_initialised_model_on_cpu
+
+    def counted(self):
+        whole_models.append(1)
+        return build_whole(self)
+
+    Trainer._whole_initialised_model_on_cpu = counted
     trainer = Trainer(parse_args(args + ["--batch-size", "4", "--tp-degree", "2", "--log-interval", "1"]))
     trainer.train_step(next(trainer.update_batches()))
     model = trainer.model
@@ -139,7 +150,7 @@ def _tensor_parallel_probe(args: list[str]) -> dict:
         trainer.check_replicas()
     message = str(caught.value)
     drift = message.split(" ranks ")[0].split("between ")[1], message.split("parameter ")[1].split(" ")[0]
-    return {"memory": trainer.last_memory, "drift": drift}
+    return {"memory": trainer.last_memory, "drift": drift, "whole_models": len(whole_models)}
 
 
 def fit_and_report(args: list[str]) -> dict:

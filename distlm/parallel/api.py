@@ -14,6 +14,7 @@ import logging
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distlm.config import DistributedConfig
@@ -31,7 +32,10 @@ def parallelize(
     device: torch.device,
     comm_hook: tuple[Callable, Any] | None = None,
     precision_mode: str = "fp32",
+    whole_model: Callable[[], torch.nn.Module] | None = None,
 ) -> torch.nn.Module:
+    """``model`` parallelised over ``dims``. A model on the meta device is materialised
+    last, shard by shard, from ``whole_model()`` (called on rank 0 only); see ``materialise``."""
     mesh = dims.build_mesh(device.type)
     if dims.tp_enabled:
         from distlm.parallel.tp import apply_tp
@@ -63,7 +67,37 @@ def parallelize(
             " over mpi4py" if cfg.comm_transport == "mpi" else "",
             " with double buffering (gradients one update stale)" if cfg.double_buffering else "",
         )
+    if whole_model is not None:
+        materialise(model, device, whole_model)
+        if dims.tp_enabled:
+            from distlm.parallel.tp import shard_gradients_like_parameters
+
+            shard_gradients_like_parameters(model)  # apply_tp left them to after materialising
     return model
+
+
+@torch.no_grad()
+def materialise(model: torch.nn.Module, device: torch.device, whole_model: Callable[[], torch.nn.Module]) -> None:
+    """Allocate this rank's shards of a parallelised meta model and fill them with the
+    weights of ``whole_model()``, which only rank 0 calls (collective).
+
+    Rank 0 builds the whole model once, on the host, and broadcasts it; every rank keeps
+    only its own shards. Training then starts from exactly the single-process weights
+    whatever the layout, which initialising each shard from its own random stream could
+    not give. Buffers, including those checkpoints do not carry (Llama's rotary tables),
+    are broadcast too: parallelism leaves them whole, in the same order on every rank.
+    """
+    from distlm import checkpoint
+
+    model.to_empty(device=device)
+    whole = whole_model() if dist.get_rank() == 0 else None
+    checkpoint.load_full_state_dict(model, whole.state_dict() if whole is not None else {}, from_rank0=True)
+    buffers = dict(whole.named_buffers()) if whole is not None else {}
+    for name, buffer in model.named_buffers():
+        if whole is not None:
+            buffer.copy_(buffers[checkpoint.single_device_name(name)])
+        dist.broadcast(buffer, src=0)
+    logger.info("materialised the model shard by shard from rank 0's initialisation")
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:

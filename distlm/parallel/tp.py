@@ -248,9 +248,9 @@ def _styles(
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
     """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh``; returns it.
 
-    Call before activation checkpointing, compile and FSDP/DDP, on a model whose weights
-    are already initialised identically on all ranks (or on the meta device: the shards
-    are then materialised and initialised later). Parameters covered by the plan become
+    Call before activation checkpointing and FSDP/DDP, on a model whose weights are
+    already initialised identically on all ranks, or on the meta device (then
+    ``parallel.api.materialise`` fills the shards afterwards). Parameters covered by the plan become
     DTensors; all others stay plain tensors, replicated and computed alike on every TP
     rank. ``loss_parallel`` is honoured only where the plan has a ``colwise_output``
     (Llama); RoBERTa's head is tied to a replicated embedding, so its logits stay whole.
@@ -266,7 +266,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         parallelize_module(model.get_submodule(name), tp_mesh, style)
     if sequence_parallel:
         _pad_sequence_to_multiple(model, degree)
-    _keep_gradients_sharded_like_parameters(model)
+    if not any(param.is_meta for param in model.parameters()):
+        # A meta model gets them once materialised: to_empty swaps the parameters'
+        # tensors, and hooks registered before it no longer fire (torch 2.13).
+        shard_gradients_like_parameters(model)
     info = TPInfo(degree=degree, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     setattr(model, _TP_INFO, info)
     logger.info(
@@ -279,7 +282,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     return model
 
 
-def _keep_gradients_sharded_like_parameters(model: nn.Module) -> None:
+def shard_gradients_like_parameters(model: nn.Module) -> None:
     """Hand each sharded parameter its gradient in the parameter's own layout.
 
     DTensor has no row-wise rule for the embedding backward: the vocabulary-parallel
@@ -287,6 +290,7 @@ def _keep_gradients_sharded_like_parameters(model: nn.Module) -> None:
     and would stay that size until the optimizer step (llama3_8b: 2 GiB per rank in
     fp32). Replicate -> Shard is a local slice, so the hook costs no communication. FSDP
     and replicate install parameters of their own and lay out gradients themselves.
+    Tensor hooks do not survive ``to_empty``: on a meta model call this after materialising.
     """
     for param in model.parameters():
         if isinstance(param, DTensor) and any(placement.is_shard() for placement in param.placements):
