@@ -188,7 +188,7 @@ class Trainer:
                     f"maximum of {model.max_positions} positions; lower --tokens-per-sample"
                 )
             if not self._shards_materialised_later:
-                model = self._initialised(model)
+                model = self._initialised(model, self.device)
         self.uses_masked_tokens = self.task == "masked_lm" and "masked_tokens" in _forward_params(model)
         if self._shards_materialised_later:
             return model.to(dtype=self.precision.param_dtype)  # still meta: no memory yet
@@ -211,9 +211,9 @@ class Trainer:
         with torch.device("meta"):
             return build_model(cfg.model.arch, vocab_size=len(dictionary), padding_idx=dictionary.pad(), **overrides)
 
-    def _initialised(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Materialise a meta model whole on this rank's device and initialise it from the seed."""
-        model.to_empty(device=self.device)
+    def _initialised(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+        """Materialise a meta model whole on ``device`` and initialise it from the seed."""
+        model.to_empty(device=device)
         torch.manual_seed(self.config.seed)  # identical initial weights on every rank, and in one process
         with torch.no_grad():
             model.init_weights()
@@ -221,11 +221,7 @@ class Trainer:
 
     def _whole_initialised_model_on_cpu(self) -> torch.nn.Module:
         """What one process would train from (rank 0 builds it to fill the others' shards)."""
-        device, self.device = self.device, torch.device("cpu")
-        try:
-            return self._initialised(self._new_arch_model()).to(dtype=self.precision.param_dtype)
-        finally:
-            self.device = device
+        return self._initialised(self._new_arch_model(), torch.device("cpu")).to(dtype=self.precision.param_dtype)
 
     # ----------------------------------------------------------------- checkpoint
 
