@@ -16,5 +16,5 @@ setup(
         "bench": ["matplotlib"],
         "hf": ["transformers>=4.40"],
     },
-    entry_points={"console_scripts": ["distlm-train=distlm.train:main"]},
+    entry_points={"console_scripts": ["distlm-train=distlm.train:run"]},
 )

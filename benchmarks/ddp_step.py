@@ -28,6 +28,7 @@ from distlm.config import parse_args
 from distlm.models import build_model
 from distlm.optim import build_optimizer
 from distlm.parallel.api import build_comm_hook, parallelize, unwrap
+from distlm.train import exit_without_teardown
 from distlm.trainer import Trainer
 
 
@@ -155,3 +156,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # gloo threads may outlive main(); see its docstring

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from distlm.config import parse_args
 from distlm.mesh import ParallelDims
 from distlm.trainer import Trainer
+from distlm.train import exit_without_teardown
 
 
 def strategies(world_size: int) -> dict[str, list[str]]:
@@ -108,3 +109,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown(0)  # gloo threads may outlive main(); see its docstring

@@ -6,10 +6,11 @@ distributed starts where possible; everything else is the Trainer's.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from distlm.errors import UsageError
 
@@ -63,5 +64,30 @@ def _shutdown() -> None:
         dist.destroy_process_group()
 
 
+def run() -> None:
+    """``python -m distlm.train`` and the ``distlm-train`` command."""
+    exit_without_teardown(main())
+
+
+def exit_without_teardown(status: int) -> NoReturn:
+    """End the process with ``status``, skipping the interpreter's own teardown.
+
+    gloo's worker threads can still be releasing the tensors of a finished collective,
+    which takes the GIL, and a thread that asks for the GIL while the interpreter
+    finalises is killed inside a C++ destructor: the process aborts ("terminate called
+    without an active exception") and the launcher reports a failed rank for a run that
+    finished. The atexit handlers still run (the MPI transport's thread, logging), and
+    then MPI_Finalize where mpi4py started MPI, since mpi4py finalises from the C-level
+    teardown this skips. Checkpoints are on disk already, fsynced and renamed into place.
+    """
+    atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distlm.train import exit_without_teardown
+
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
     os.environ.update(
@@ -45,6 +47,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
             dist.destroy_process_group()
     with open(result_file, "wb") as f:
         pickle.dump(result, f)
+    exit_without_teardown(0)  # the result is written; see its docstring for why
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None) -> list[Any]:

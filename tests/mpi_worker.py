@@ -271,4 +271,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from distlm.train import exit_without_teardown
+
+    exit_without_teardown(main())
