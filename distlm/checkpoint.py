@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from distlm.errors import UsageError
 
@@ -144,7 +145,11 @@ def load_full_optimizer_state_dict(
     is sliced to this rank's shards.
     """
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
-    set_optimizer_state_dict(model, optimizer, _copy_containers(state_dict), options=options)
+    # torch first creates the state with one step on zero gradients; tensor parallel with no
+    # data-parallel wrapper leaves plain parameters (norms) beside DTensors, a mix that
+    # torch's foreach kernels refuse unless the plain ones are taken as replicated (they are).
+    with implicit_replication():
+        set_optimizer_state_dict(model, optimizer, _copy_containers(state_dict), options=options)
 
 
 def _storages(tensors) -> set[int]:
@@ -197,7 +202,7 @@ def gather_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     model_state = full_state_dict(model)
     if isinstance(optimizer, Zero1Optimizer):
         full = optimizer.full_state_dict()
-        return model_state, _rekey(full, dict(enumerate(parameter_names(model)))) if full is not None else {}
+        return model_state, _rekey(full, dict(enumerate(_trainable_names(model)))) if full is not None else {}
     return model_state, full_optimizer_state_dict(model, optimizer)
 
 
@@ -216,9 +221,14 @@ def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, m
 
     load_full_state_dict(model, model_state)
     if isinstance(optimizer, Zero1Optimizer):
-        optimizer.load_state_dict(_rekey(optim_state, {n: i for i, n in enumerate(parameter_names(model))}))
+        optimizer.load_state_dict(_rekey(optim_state, {n: i for i, n in enumerate(_trainable_names(model))}))
     else:
         load_full_optimizer_state_dict(model, optimizer, optim_state)
+
+
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters an optimizer holds, in order: ZeRO-1 numbers only these."""
+    return [name for name, param in zip(parameter_names(model), model.parameters()) if param.requires_grad]
 
 
 def parameter_names(model: torch.nn.Module) -> list[str]:

@@ -112,6 +112,7 @@ def _zero1_job(archs: list[str], save_dir: str) -> dict:
     dist.init_process_group("gloo")
     out = {arch: _zero1_run(arch, os.path.join(save_dir, f"{arch}.pt")) for arch in archs}
     out["fp16"] = _zero1_fp16_run()
+    out["frozen"] = _zero1_frozen_checkpoint_run()
     return out
 
 
@@ -201,6 +202,39 @@ def _zero1_fp16_run() -> dict:
     }
 
 
+def _zero1_frozen_checkpoint_run() -> dict:
+    """A frozen parameter (here the first, the token embedding) has no optimizer state and no
+    ZeRO-1 index: the checkpoint must still key every Adam moment by its own parameter's name."""
+    from distlm import checkpoint
+    from distlm.parallel.ddp import apply_ddp
+    from distlm.parallel.zero1 import build_zero1_optimizer
+
+    def build():
+        model = new_model("llama_tiny")
+        model.tok_embeddings.weight.requires_grad_(False)
+        ddp = apply_ddp(model, torch.device("cpu"), dist.group.WORLD, 25.0)
+        return ddp, build_zero1_optimizer(ddp.parameters(), optim_config(), dist.group.WORLD, torch.float32)
+
+    ddp, optimizer = build()
+    _train_ddp(ddp, optimizer, LRSchedule(optim_config()), 1, 2)
+    model_state, optim_state = checkpoint.gather_train_state(ddp, optimizer)
+    [model_state, optim_state] = _broadcast_objects([model_state, optim_state])
+    resumed, resumed_optimizer = build()
+    checkpoint.load_train_state(resumed, resumed_optimizer, model_state, optim_state)
+    names = {p: n for n, p in resumed.module.named_parameters()}
+    return {
+        "moment_shapes": {name: tuple(entry["exp_avg"].shape) for name, entry in optim_state["state"].items()},
+        "param_shapes": {n: tuple(p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad},
+        "own": {n: optimizer.state[p]["exp_avg"] for n, p in ddp.module.named_parameters() if p in optimizer.state},
+        "resumed": {names[p]: entry["exp_avg"] for p, entry in resumed_optimizer.state.items()},
+    }
+
+
+def _broadcast_objects(objects: list) -> list:
+    dist.broadcast_object_list(objects, src=0)
+    return objects
+
+
 def test_zero1_two_ranks_equal_single_process(tmp_path):
     archs = ["roberta_tiny", "llama_tiny"]
     results = run_distributed(_zero1_job, 2, archs, str(tmp_path))
@@ -209,6 +243,10 @@ def test_zero1_two_ranks_equal_single_process(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fp16[0]["params"], fp16[1]["params"]))
     for arch in archs:
         _check_two_ranks(arch, [r[arch] for r in results])
+    for frozen in (r["frozen"] for r in results):
+        assert frozen["moment_shapes"] == frozen["param_shapes"]
+        assert frozen["own"].keys() == frozen["resumed"].keys() and frozen["own"]
+        assert all(torch.equal(frozen["own"][n], frozen["resumed"][n]) for n in frozen["own"])
 
 
 def _check_two_ranks(arch: str, ranks: list[dict]) -> None:
