@@ -82,6 +82,8 @@ class Trainer:
             world_size=self.env.world_size, dp=dist_cfg.dp_degree, tp=dist_cfg.tp_degree, strategy=dist_cfg.strategy
         )
         check_strategy(dist_cfg, self.dims)
+        if dist_cfg.check_replicas and dist_cfg.strategy == "fsdp" and self.dims.dp_enabled and not self.dims.tp_enabled:
+            logger.info("--check-replicas: FSDP shards every parameter, so no rank holds a copy to compare")
         check_cpu_offload(dist_cfg.cpu_offload, self.backend.name)
         if model is None and self.dims.tp_enabled:
             # A tp degree that cannot split the named arch fails before any rendezvous.
@@ -98,6 +100,7 @@ class Trainer:
         self.task = config.data.task or (arch_task(config.model.arch) if model is None else "causal_lm")
         self.arch = config.model.arch if model is None else type(model).__name__
         resume_file = None if config.checkpoint.no_save else checkpoint.resume_path(config.checkpoint.save_dir)
+        self._check_every_rank_sees(resume_file)
         self.resume_state = checkpoint.load(resume_file) if resume_file else None
         if self.resume_state is not None:
             checkpoint.check_resumable(self.resume_state, resume_file, self.arch, self.task)
@@ -225,6 +228,24 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoint
 
+    def _check_every_rank_sees(self, resume_file) -> None:
+        """Every rank resumes or none does (collective).
+
+        Rank 0 writes the checkpoint and every rank reads it, so a --save-dir on a
+        node-local disk is visible to some ranks only. Those would resume while the
+        others started afresh, and their collectives would no longer match: a hang.
+        """
+        if self.env.world_size == 1:
+            return
+        seen = [None] * self.env.world_size
+        dist.all_gather_object(seen, resume_file is not None)
+        if len(set(seen)) > 1:
+            sees = [rank for rank, found in enumerate(seen) if found]
+            raise UsageError(
+                f"--save-dir {self.config.checkpoint.save_dir}: {checkpoint.LAST} is there on ranks {sees} only; "
+                "put --save-dir on a file system that every rank shares"
+            )
+
     def _checkpoint_state(self) -> dict[str, Any]:
         rng = checkpoint.capture_rng()
         rng_by_rank = [rng]
@@ -243,6 +264,7 @@ class Trainer:
             "scaler": self.precision.scaler.state_dict() if self.precision.scaler else None,
             "rng": rng_by_rank,
             "world_size": self.env.world_size,
+            "layout": self._layout,
             "num_updates": self.num_updates,
             "consumed_samples": self.consumed_samples,
             "dictionary": list(dictionary.symbols) if dictionary is not None else None,
@@ -271,12 +293,22 @@ class Trainer:
             self.precision.scaler.load_state_dict(state["scaler"])
         self.num_updates = state["num_updates"]
         self.consumed_samples = state["consumed_samples"]
-        if state["world_size"] == self.env.world_size:
+        # Checkpoints from before tensor parallel existed hold only the world size: all data parallel.
+        saved_layout = state.get("layout", {"dp": state["world_size"], "tp": 1})
+        if state["world_size"] == self.env.world_size and saved_layout == self._layout:
             checkpoint.restore_rng(state["rng"][self.env.rank])
         else:
+            # A rank's saved stream belongs to its old place in the layout: restored on a new
+            # one, two tp ranks of one replica could draw different dropout masks (and two
+            # replicas the same). Reseed by data-parallel rank, as a fresh run seeds.
             torch.manual_seed(self.config.seed * 1000 + self.dp_rank + 7919 * self.num_updates)
-            logger.info("world size changed %d -> %d: dropout RNG reseeded", state["world_size"], self.env.world_size)
+            logger.info("layout changed (world %d, %s -> world %d, %s): dropout RNG reseeded by data-parallel rank",
+                        state["world_size"], saved_layout, self.env.world_size, self._layout)
         logger.info("resumed from %s at update %d (%d samples consumed)", path, self.num_updates, self.consumed_samples)
+
+    @property
+    def _layout(self) -> dict[str, int]:
+        return {"dp": self.dims.dp, "tp": self.dims.tp}
 
     # ----------------------------------------------------------------------- loop
 
@@ -368,8 +400,9 @@ class Trainer:
             )
             if self.env.world_size == 1 or not transport:
                 raise
-            # An update's collectives span the dp group, the tp group and the world (the
-            # token count), so the ranks that may be missing are all of them.
+            # An update's collectives span the dp group (the token count, DDP/FSDP), the tp
+            # group (tensor parallel) and the world (--check-replicas), so the ranks that
+            # may be missing are all of them.
             ranks = list(range(self.env.world_size))
             raise CollectiveFailure(
                 f"rank {self.env.rank}: a collective of update {self.num_updates + 1} among ranks {ranks} "
@@ -422,12 +455,12 @@ class Trainer:
                 self.num_updates += 1
         if self.precision.scaler is not None:
             self.precision.scaler.update(overflow)
+        self.consumed_samples += self.sampler.global_batch_size  # before _done(), which --max-epoch reads
         if self._done() or self.num_updates % self.config.logging.log_interval == 0:
             # Measured while gradients still exist: zero_grad below frees them.
             self.last_memory = memory_report(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.mark_step()
-        self.consumed_samples += self.sampler.global_batch_size
         if self.config.distributed.check_replicas:
             self.check_replicas()
 
@@ -498,12 +531,23 @@ class Trainer:
         """
         params = list(self.model.parameters())
         names = checkpoint.parameter_names(self.model)
+        drifts = []
         if self.dims.dp_enabled and self.dims.replicas_share_parameters:
-            _compare_copies(params, names, self.dp_group, "data-parallel", self.num_updates)
+            drifts.append(_first_difference(params, names, self.dp_group, "data-parallel"))
         if self.dims.tp_enabled:
             whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp")]
-            _compare_copies([params[i] for i in whole], [names[i] for i in whole],
-                            self.dims.tp_group(self.device.type), "tensor-parallel", self.num_updates)
+            drifts.append(_first_difference([params[i] for i in whole], [names[i] for i in whole],
+                                            self.dims.tp_group(self.device.type), "tensor-parallel"))
+        drift = next((d for d in drifts if d is not None), None)
+        if drifts and self.env.world_size > 1:  # the same decision on every rank: it depends on dims only
+            # A drift is seen only inside the group holding it; every rank must stop
+            # together, or the others wait for it in the next collective until the timeout.
+            found = torch.tensor([drift is not None], dtype=torch.int64, device=self.device)
+            dist.all_reduce(found)
+            if found.item() and drift is None:
+                drift = "parameters differ between replicas on other ranks (their errors name them)"
+        if drift is not None:
+            raise RuntimeError(f"--check-replicas: after update {self.num_updates}, {drift}")
 
 
 def _sharded_on(param: torch.Tensor, mesh_dim: str) -> bool:
@@ -514,10 +558,11 @@ def _sharded_on(param: torch.Tensor, mesh_dim: str) -> bool:
     return mesh_dim in names and param.placements[names.index(mesh_dim)].is_shard()
 
 
-def _compare_copies(params: list[torch.Tensor], names: list[str], group, kind: str, update: int) -> None:
-    """RuntimeError naming the first parameter whose local tensor differs across ``group``."""
+def _first_difference(params: list[torch.Tensor], names: list[str], group, kind: str) -> str | None:
+    """Which parameter's local tensor differs across ``group``, and between which ranks;
+    None if all copies are bit-identical (collective over ``group``)."""
     if not params:
-        return
+        return None
     mine = torch.stack([_bitwise_digest(p) for p in params]).cpu()
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -525,10 +570,8 @@ def _compare_copies(params: list[torch.Tensor], names: list[str], group, kind: s
     for rank, theirs in zip(ranks, gathered):
         differs = (theirs != gathered[0]).any(dim=1).nonzero()
         if len(differs):
-            raise RuntimeError(
-                f"--check-replicas: after update {update}, parameter {names[int(differs[0])]} "
-                f"differs between {kind} ranks {ranks[0]} and {rank}"
-            )
+            return f"parameter {names[int(differs[0])]} differs between {kind} ranks {ranks[0]} and {rank}"
+    return None
 
 
 def _bitwise_digest(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from distributed import run_distributed
 from distlm import checkpoint, export
 from distlm.checkpoint import consolidated_parameters
 from distlm.config import parse_args
+from distlm.errors import UsageError
 from distlm.memory import zero_formula_bytes
 from distlm.trainer import Trainer
 from test_ddp import PARAM_ATOL, UPDATES, assert_params_close, common_args, data_dir, train  # noqa: F401 - fixture
@@ -114,6 +115,61 @@ def test_checkpoint_moves_between_strategies(data_dir, tmp_path):
     assert_params_close(second[0]["params"], reference["params"], PARAM_ATOL)
 
 
+def test_resume_on_another_layout_seeds_dropout_by_replica(data_dir, tmp_path):
+    """Saved by 2 data-parallel ranks, resumed by the same 2 ranks as one tp2 replica, with
+    dropout: each rank's saved RNG stream belongs to its old replica, so restoring it would
+    give the two tp ranks of the new replica different masks where activations are
+    replicated, and their copies of the replicated parameters would drift apart at once
+    (--check-replicas compares them bit for bit after every update)."""
+    args = [a for a in common_args(data_dir, str(tmp_path), "roberta_tiny") if a != "--no-save"]
+    args += ["--dropout", "0.1", "--attention-dropout", "0.1"]
+    first = run_distributed(resume_under, 2, args + ["--batch-size", "4"], 2)
+    second = run_distributed(resume_under, 2, args + ["--batch-size", "8", "--tp-degree", "2", "--check-replicas"], 2)
+    assert first[0]["resumed_at"] is None and second[0]["resumed_at"] == 2
+
+
+def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(data_dir, tmp_path):
+    """A node-local --save-dir: rank 0 finds checkpoint_last.pt, rank 1 (another node's disk,
+    here another directory) does not. Resuming on some ranks only would desynchronise their
+    collectives (a hang), so both refuse with the same one-line error."""
+    base = [a for a in common_args(data_dir, str(tmp_path / "unused"), "roberta_tiny") if a != "--no-save"]
+    base += ["--batch-size", "4"]
+    Trainer(parse_args(base + ["--save-dir", str(tmp_path / "node0")])).save_checkpoint()
+    errors = run_distributed(_trainer_error_with_save_dir_per_rank, 2, base, str(tmp_path))
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"--save-dir {tmp_path}/node{rank}: checkpoint_last.pt is there on ranks [0] only;"), error
+
+
+def _trainer_error_with_save_dir_per_rank(args: list[str], root: str) -> str:
+    rank = int(__import__("os").environ["RANK"])
+    with pytest.raises(UsageError) as caught:
+        Trainer(parse_args(args + ["--save-dir", f"{root}/node{rank}"]))
+    return str(caught.value)
+
+
+def test_a_drift_in_one_group_stops_every_rank(data_dir, tmp_path):
+    """dp2 x tp2: a shard that drifts on one data-parallel replica is seen only by the dp group
+    holding it ({0, 2}), yet all 4 ranks must stop with --check-replicas, not leave ranks 1
+    and 3 waiting in their next collective until the timeout."""
+    args = common_args(data_dir, str(tmp_path), "llama_tiny") + ["--batch-size", "4", "--tp-degree", "2",
+                                                                   "--timeout-sec", "30"]
+    messages = run_distributed(_drift_on_rank_2, 4, args, timeout=120)
+    assert all(m.startswith("--check-replicas: after update 1, ") for m in messages), messages
+    assert "layers.0.attention.wq.weight differs between data-parallel ranks 0 and 2" in messages[0]
+    assert messages[0] == messages[2] and messages[1] == messages[3] != messages[0]
+
+
+def _drift_on_rank_2(args: list[str]) -> str:
+    trainer = Trainer(parse_args(args))
+    trainer.train_step(next(trainer.update_batches()))
+    if trainer.env.rank == 2:
+        with torch.no_grad():
+            trainer.model.layers[0].attention.wq.weight.to_local().add_(1.0)
+    with pytest.raises(RuntimeError, match="--check-replicas") as caught:
+        trainer.check_replicas()
+    return str(caught.value)
+
+
 def test_tensor_parallel_gradients_and_replicated_copies(data_dir, tmp_path):
     """On 2 tp ranks: only rank 0 builds the whole model; each rank holds gradients exactly
     the size of its parameter shards (the vocabulary-parallel embedding's included); and
@@ -181,6 +237,17 @@ def test_memory_per_rank_matches_the_zero_formulas(data_dir, tmp_path, strategy)
         # hold up to (1 - 1/N) x its largest tensor's state more than 8 psi / N). For
         # llama_tiny each of these is below 2 % of the total.
         assert abs(measured - expected) / expected < 0.02, (strategy, measured, expected)
+
+
+def test_memory_is_reported_when_an_epoch_ends_the_run(data_dir, tmp_path):
+    """A run bounded by --max-epoch, shorter than --log-interval, still measures its last update."""
+    args = common_args(data_dir, str(tmp_path), "llama_tiny") + ["--batch-size", "64", "--max-update", "0",
+                                                                   "--max-epoch", "1"]
+    trainer = Trainer(parse_args(args))
+    [report] = trainer.fit()["memory_bytes_per_rank"]
+    psi = sum(p.numel() for p in trainer.model.parameters())
+    assert report["param_bytes"] == report["grad_bytes"] == 4 * psi, report
+    assert report["optimizer_bytes"] >= 8 * psi
 
 
 @pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
