@@ -3,8 +3,8 @@
 The order is: tensor parallel, then activation checkpointing, then FSDP or DDP with its
 communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
-code, and logs one line. ZeRO-1 is DDP here plus a sharded optimizer, which the trainer
-builds after this.
+code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
+under tensor parallel) plus a sharded optimizer, which the trainer builds after this.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def parallelize(
             " with double buffering (gradients one update stale)" if cfg.double_buffering else "",
         )
     if whole_model is not None:
-        materialise(model, device, whole_model)
+        materialise(model, device, whole_model, cpu_offload=cfg.cpu_offload)
         if dims.tp_enabled:
             from distlm.parallel.tp import shard_gradients_like_parameters
 
@@ -77,7 +77,9 @@ def parallelize(
 
 
 @torch.no_grad()
-def materialise(model: torch.nn.Module, device: torch.device, whole_model: Callable[[], torch.nn.Module]) -> None:
+def materialise(
+    model: torch.nn.Module, device: torch.device, whole_model: Callable[[], torch.nn.Module], *, cpu_offload: bool = False
+) -> None:
     """Allocate this rank's shards of a parallelised meta model and fill them with the
     weights of ``whole_model()``, which only rank 0 calls (collective).
 
@@ -86,10 +88,16 @@ def materialise(model: torch.nn.Module, device: torch.device, whole_model: Calla
     whatever the layout, which initialising each shard from its own random stream could
     not give. Buffers, including those checkpoints do not carry (Llama's rotary tables),
     are broadcast too: parallelism leaves them whole, in the same order on every rank.
+    With ``cpu_offload`` FSDP wants its parameter shards on the host (it refuses them on
+    the device at the first forward) and the buffers on the device, where compute runs.
     """
     from distlm import checkpoint
 
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
     whole = whole_model() if dist.get_rank() == 0 else None
     checkpoint.load_full_state_dict(model, whole.state_dict() if whole is not None else {}, from_rank0=True)
     buffers = dict(whole.named_buffers()) if whole is not None else {}

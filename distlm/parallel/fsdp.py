@@ -7,9 +7,8 @@ one collective after its backward, so parameters, gradients and optimizer state 
 all sharded across the data-parallel mesh (ZeRO stage 3).
 
 Gradients are averaged over the data-parallel group, exactly as DDP averages them
-(FSDP2 reduce-scatters fp32/bf16 with ``ReduceOp.AVG``, fp16 with a sum between a
-pre- and a post-division by ~sqrt(N)). The trainer's loss factor (dp degree / global
-target tokens) therefore needs no change.
+(FSDP2 reduce-scatters with ``ReduceOp.AVG``, always in fp32 here: see ``fsdp_dtypes``).
+The trainer's loss factor (dp degree / global target tokens) therefore needs no change.
 
 Checkpoints and export gather the sharded state in distlm/checkpoint.py, under the
 single-device parameter names, whatever strategy wrote it.

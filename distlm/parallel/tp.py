@@ -176,7 +176,8 @@ def _resolve(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         regex = _pattern_regex(pattern)
         matched = [name for name in names if regex.match(name)]
         if not matched:
-            raise ValueError(f"tp_plan entry {pattern!r} of {type(model).__name__} matches no module")
+            raise UsageError(f"--tp-degree: tp_plan entry {pattern!r} of {type(model).__name__} matches no module; "
+                             "fix the model's tp_plan")
         for name in matched:
             resolved[name] = style
     return resolved
@@ -231,7 +232,8 @@ def _styles(
         elif style == "sequence_region":
             blocks = model.get_submodule(name)
             if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-                raise ValueError(f"tp_plan: sequence_region {name!r} must be a non-empty ModuleList")
+                raise UsageError(f"--sequence-parallel: tp_plan's sequence_region {name!r} of {type(model).__name__} "
+                                 "must be a non-empty ModuleList; fix the model's tp_plan")
             rest = (None,) * (_positional_arity(blocks[0]) - 1)
             # Replicate -> Shard is a local slice (its backward an all-gather).
             plan[f"{name}.0"] = PrepareModuleInput(
