@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import sys
+import time
 from typing import NoReturn, Sequence
 
 from distlm.errors import UsageError
@@ -23,8 +24,18 @@ def _rank_from_environment() -> int:
     return 0
 
 
+# How long a rank other than 0 waits before it reports a usage error itself. Bad input is
+# usually met by every rank alike: rank 0 reports it and exits, and the launcher (torchrun,
+# mpiexec, srun --kill-on-bad-exit) stops the others within this time, so one line is
+# printed. Without the wait, a rank that exited first got rank 0 killed before it printed
+# (seen under torchrun with a bad --tp-degree: exit 2 and no message). Input that only some
+# ranks meet (a file missing on one node) is still reported, by those ranks, named.
+_SECOND_REPORTER_DELAY_SEC = 5.0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    is_main = _rank_from_environment() == 0
+    rank = _rank_from_environment()
+    is_main = rank == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
@@ -39,8 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(config)
         trainer.fit()
     except UsageError as exc:
-        if is_main:
-            print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+        if not is_main:
+            time.sleep(_SECOND_REPORTER_DELAY_SEC)
+        print(f"distlm: error: {'' if is_main else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
         return UsageError.exit_code
     except RuntimeError as exc:
         # Start-up and collective failures already carry a one-line explanation naming

@@ -66,6 +66,21 @@ def assert_models_identical(actual: dict, expected: dict) -> None:
 # --------------------------------------------------------------------- README demo
 
 
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Both ranks meet the bad --tp-degree before any rendezvous. Rank 0 reports it; rank 1
+    must not exit first, or torchrun stops rank 0 before it has printed anything."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "distlm.train", "--tp-degree", "3", "--no-save", "--device", "cpu",
+    ]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+                          env=subprocess_env(DISTLM_CACHE_DIR=str(tmp_path / "cache")))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("distlm: error:")]
+    assert proc.returncode != 0
+    assert errors == ["distlm: error: --tp-degree 3 does not divide the world size 2"], proc.stderr[-4000:]
+
+
+
 def test_readme_demo_under_torchrun(tmp_path):
     """README command (a) with a short run: torchrun, 2 ranks, the built-in corpus (built here, ~8 s).
 
