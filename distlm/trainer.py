@@ -365,7 +365,7 @@ class Trainer:
         return final
 
     def _let_collectives_finish(self) -> None:
-        """Return only once the last collective is wholly released, so the process may exit.
+        """Let gloo's worker thread release the last collective before the process may exit.
 
         gloo's worker thread drops its reference to a finished collective after ``wait()``
         has returned here, and releasing tensors created in Python takes the GIL. If the
@@ -373,8 +373,9 @@ class Trainer:
         destructor and the process aborts ("terminate called without an active
         exception"): 3 of 39 two-rank FSDP test runs ending in all_gather_object, 0 of 39
         with this barrier. It blocks with the GIL released until every rank arrives,
-        which lets that thread finish; the barrier's own work holds no Python tensors.
-        ``distlm.train.exit_without_teardown`` closes the rest of the window.
+        which lets that thread finish (likely, not guaranteed); the barrier's own work
+        holds no Python tensors. ``distlm.train.exit_without_teardown`` closes the rest
+        of the window for the command line.
         """
         if self.env.world_size > 1:
             dist.barrier()
