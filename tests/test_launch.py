@@ -63,9 +63,6 @@ def assert_models_identical(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[name], value), name
 
 
-# --------------------------------------------------------------------- README demo
-
-
 def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path):
     """Both ranks meet the bad --tp-degree before any rendezvous. Rank 0 reports it; rank 1
     must not exit first, or torchrun stops rank 0 before it has printed anything."""
@@ -79,6 +76,8 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path):
     assert proc.returncode != 0
     assert errors == ["distlm: error: --tp-degree 3 does not divide the world size 2"], proc.stderr[-4000:]
 
+
+# --------------------------------------------------------------------- README demo
 
 
 def test_readme_demo_under_torchrun(tmp_path):

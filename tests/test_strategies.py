@@ -7,6 +7,7 @@ computed here, and compares the weights exported from the checkpoint the run wro
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +142,7 @@ def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(data_dir, tmp
 
 
 def _trainer_error_with_save_dir_per_rank(args: list[str], root: str) -> str:
-    rank = int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])
     with pytest.raises(UsageError) as caught:
         Trainer(parse_args(args + ["--save-dir", f"{root}/node{rank}"]))
     return str(caught.value)

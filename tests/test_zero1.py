@@ -218,7 +218,9 @@ def _zero1_frozen_checkpoint_run() -> dict:
     ddp, optimizer = build()
     _train_ddp(ddp, optimizer, LRSchedule(optim_config()), 1, 2)
     model_state, optim_state = checkpoint.gather_train_state(ddp, optimizer)
-    [model_state, optim_state] = _broadcast_objects([model_state, optim_state])
+    states = [model_state, optim_state]
+    dist.broadcast_object_list(states, src=0)  # rank 0 alone received the gathered state
+    model_state, optim_state = states
     resumed, resumed_optimizer = build()
     checkpoint.load_train_state(resumed, resumed_optimizer, model_state, optim_state)
     names = {p: n for n, p in resumed.module.named_parameters()}
@@ -228,11 +230,6 @@ def _zero1_frozen_checkpoint_run() -> dict:
         "own": {n: optimizer.state[p]["exp_avg"] for n, p in ddp.module.named_parameters() if p in optimizer.state},
         "resumed": {names[p]: entry["exp_avg"] for p, entry in resumed_optimizer.state.items()},
     }
-
-
-def _broadcast_objects(objects: list) -> list:
-    dist.broadcast_object_list(objects, src=0)
-    return objects
 
 
 def test_zero1_two_ranks_equal_single_process(tmp_path):
