@@ -216,6 +216,15 @@ class LlamaCausalLM(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_seq_len
 
+    @property
+    def padding_idx(self) -> int:
+        return self.config.padding_idx
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks: the unit of FSDP sharding, activation checkpointing and compile."""
+        return self.layers
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """N(0, 0.02) weights; projections that write into the residual stream (wo,

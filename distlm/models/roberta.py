@@ -174,6 +174,15 @@ class RobertaMaskedLM(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_positions
 
+    @property
+    def padding_idx(self) -> int:
+        return self.config.padding_idx
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks: the unit of FSDP sharding, activation checkpointing and compile."""
+        return self.layers
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """BERT initialisation: N(0, 0.02) weights, zero biases and padding rows."""

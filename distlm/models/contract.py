@@ -1,0 +1,79 @@
+"""What a model offers the trainer: the contract every distlm model, built in or the user's, meets.
+
+A model is single-device code. The trainer and the strategies rely on these members
+and nothing else, so parallelism can be applied from outside:
+
+``task``           ``"masked_lm"`` or ``"causal_lm"``: which data pipeline and loss it trains with.
+``init_weights()`` (Re)initialise every parameter and buffer in place, drawing from torch's RNG
+                   only; called after the model is materialised from the meta device.
+``max_positions``  The longest sample, in tokens, that the model accepts.
+``padding_idx``    The token id of padding (sequence parallel pads batches with it).
+``blocks``         Optional: the ``nn.ModuleList`` of transformer blocks, the unit of FSDP
+                   sharding, activation checkpointing and compilation. ``None``: no per-block unit.
+``tp_plan``        Optional: module-name pattern -> tensor-parallel style (see parallel/tp.py);
+                   empty means the model cannot be tensor-parallel.
+``tp_divisible``   Optional: config fields the tensor-parallel degree must divide.
+
+A masked LM's ``forward(input_ids, masked_tokens=None)`` may compute logits at the
+masked positions only; every model maps ``input_ids [B, T]`` to logits ``[B, T, V]``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+from distlm.errors import UsageError
+
+TASKS = ("masked_lm", "causal_lm")
+
+REQUIRED_MEMBERS = ("task", "init_weights", "max_positions", "padding_idx")
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    task: str
+    tp_plan: dict[str, str]
+    tp_divisible: tuple[str, ...]
+
+    @property
+    def blocks(self) -> nn.ModuleList | None: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    @property
+    def padding_idx(self) -> int: ...
+
+    def init_weights(self) -> None: ...
+
+
+def check_model(model: object) -> None:
+    """UsageError naming every member of the contract that ``model`` lacks or gets wrong."""
+    name = type(model).__name__
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model={name} is not a torch.nn.Module; pass a module that maps input_ids to logits")
+    missing = [member for member in REQUIRED_MEMBERS if not hasattr(model, member)]
+    if missing:
+        raise UsageError(
+            f"model={name} lacks {', '.join(missing)} of the distlm model contract "
+            "(task, init_weights(), max_positions, padding_idx; see distlm/models/contract.py); add them"
+        )
+    if not callable(model.init_weights):
+        raise UsageError(f"model={name}.init_weights is not callable; make it a method that initialises the weights")
+    if model.task not in TASKS:
+        raise UsageError(f"model={name}.task is {model.task!r}; it must be one of {', '.join(TASKS)}")
+    blocks = model_blocks(model)
+    if blocks is not None and not isinstance(blocks, nn.ModuleList):
+        raise UsageError(f"model={name}.blocks is a {type(blocks).__name__}; it must be an nn.ModuleList or None")
+
+
+def model_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The model's transformer blocks, or None when it declares none."""
+    return getattr(model, "blocks", None)
+
+
+def model_tp_plan(model_class: type) -> dict[str, str]:
+    """The declared tensor-parallel plan of a model class; empty when it declares none."""
+    return dict(getattr(model_class, "tp_plan", None) or {})
