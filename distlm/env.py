@@ -1,10 +1,15 @@
 """Who am I in the job? Rank, world size, local rank and master address from the launcher.
 
 ``ClusterEnv.detect()`` asks each launcher in a fixed order -- TorchElastic (torchrun),
-Slurm (srun), MPI (OpenMPI, then MPICH/Intel MPI) -- and the first that recognises its
-variables describes this process. fairseq-style flags (``--distributed-rank`` and
-friends) come next: they fill in a launch nobody else describes, or must agree with the
-launcher that does. Nothing at all means one process.
+Slurm (srun), MPI (OpenMPI, then MPICH/Intel MPI), then plain ``RANK``/``WORLD_SIZE``
+exports (``env://``, a Kubeflow PyTorchJob: one process per host) -- and the first that
+recognises its variables describes this process. fairseq-style flags
+(``--distributed-rank`` and friends) come next: they fill in a launch nobody else
+describes, or must agree with the launcher that does. Nothing at all means one process.
+
+``RANK`` and ``WORLD_SIZE`` are read by several launchers, so they are checked first
+(``check_rank_variables``): set by hand next to srun's or mpiexec's own variables they
+must agree with them, and alone they must come together.
 
 Each launcher is a small class with a static ``detect(environ)`` that returns a
 ``ClusterEnv`` or ``None``, so adding a launcher never touches another one's rules
@@ -19,12 +24,12 @@ import os
 import re
 import socket
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
 from distlm.errors import UsageError
 
-LAUNCHER_NAMES = ("torchelastic", "slurm", "mpi", "explicit", "single")
+LAUNCHER_NAMES = ("torchelastic", "slurm", "mpi", "env", "explicit", "single")
 
 # Slurm runs these job names for interactive allocations (salloc's default shell,
 # `srun --pty bash`); a Python started by hand in such a shell is not an srun task.
@@ -34,6 +39,10 @@ _SLURM_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 # (32768-60999) so they never clash with ports the kernel hands to outgoing connections.
 _SLURM_PORT_BASE = 10000
 _SLURM_PORT_SPAN = 20000
+# Each step id moves the port by 20000 / golden ratio (coprime with 20000): consecutive
+# steps land far apart, so steps of one job never share a port and steps of jobs whose
+# ids are close (concurrent jobs on one node) rarely do.
+_SLURM_STEP_STRIDE = 12361
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ class ClusterEnv:
     master_addr: str | None
     master_port: int | None
     launcher: str
+    node_of_rank: tuple[int, ...] | None = None
+    """The node index of every rank, where this process knows it without a process group:
+    under mpiexec once ``resolve_master_via_mpi`` has asked MPI which ranks share a host.
+    None elsewhere; then each rank knows only its own ``node_rank``."""
 
     def __post_init__(self) -> None:
         # Launchers validate with the user's variable names first; this only guards
@@ -75,10 +88,32 @@ class ClusterEnv:
             raise ValueError(f"local rank {self.local_rank} is outside local world size {self.local_world_size}")
         if not (0 <= self.node_rank < self.num_nodes):
             raise ValueError(f"node rank {self.node_rank} is outside {self.num_nodes} nodes")
+        if self.node_of_rank is not None:
+            nodes = self.node_of_rank
+            if (
+                len(nodes) != self.world_size
+                or nodes[self.rank] != self.node_rank
+                or set(nodes) != set(range(self.num_nodes))
+                or nodes.count(self.node_rank) != self.local_world_size
+            ):
+                raise ValueError(
+                    f"node_of_rank {nodes} does not fit rank {self.rank} of {self.world_size} on node "
+                    f"{self.node_rank} of {self.num_nodes} with {self.local_world_size} local ranks"
+                )
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def describe(self) -> str:
+        """One line for the log: the launcher and this process's place, e.g. for rank 0 to print."""
+        hosts = ", one process per host" if self.launcher in ("env", "explicit") and self.is_distributed else ""
+        master = f"{self.master_addr}:{self.master_port}" if self.master_port is not None else str(self.master_addr)
+        return (
+            f"launcher {self.launcher}{hosts}: rank {self.rank} of {self.world_size}, "
+            f"local rank {self.local_rank} of {self.local_world_size} on node {self.node_rank} of {self.num_nodes}, "
+            f"master {master}"
+        )
 
     @staticmethod
     def detect(
@@ -88,10 +123,12 @@ class ClusterEnv:
         """The first launcher that recognises ``environ`` (default ``os.environ``), merged with ``explicit``."""
         environ = os.environ if environ is None else environ
         explicit = explicit if explicit is not None else ExplicitLaunch()
+        check_rank_variables(environ)
         for launcher in LAUNCHERS:
             env = launcher.detect(environ)
             if env is not None:
-                return _merge_explicit(env, launcher, explicit, environ)
+                env = _merge_explicit(env, launcher, explicit, environ)
+                return _require_env_master(env) if launcher is EnvLauncher else env
         return _explicit_or_single(explicit, environ)
 
 
@@ -231,14 +268,18 @@ def expand_slurm_tasks_per_node(value: str) -> list[int]:
     return counts
 
 
-def slurm_master_port(job_id: int) -> int:
-    """A port every task of a job agrees on without talking: a function of the job id.
+def slurm_master_port(job_id: int, step_id: int = 0) -> int:
+    """A port every task of a job step agrees on without talking: a function of job and step id.
 
     A fixed default port (29500) collides as soon as two jobs share a node; the job id
     differs between concurrent jobs, so their ports differ too (unless their ids differ
-    by a multiple of 20000, which concurrent jobs practically never do).
+    by a multiple of 20000, which concurrent jobs practically never do). The step id
+    separates the steps of one job (``srun ... doctor`` then ``srun ... train``, or steps
+    run side by side): a step's rank 0 may still hold the previous step's port, or share
+    the node with a concurrent step. Step 0 keeps the job id's own port. The result lies
+    in [10000, 30000).
     """
-    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
+    return _SLURM_PORT_BASE + (job_id + step_id * _SLURM_STEP_STRIDE) % _SLURM_PORT_SPAN
 
 
 # --------------------------------------------------------------------------- launchers
@@ -294,6 +335,7 @@ class SlurmLauncher:
     TASKS_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
     NUM_NODES_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID")  # the second is the older spelling
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
@@ -302,7 +344,7 @@ class SlurmLauncher:
         # make a `python train.py` in the script wait forever for N-1 peers.
         if "SLURM_PROCID" not in environ:
             return None
-        if "SLURM_STEP_ID" not in environ and "SLURM_STEPID" not in environ:
+        if _first_present(environ, SlurmLauncher.STEP_VARS) is None:
             return None
         world_var = _first_present(environ, SlurmLauncher.WORLD_VARS)
         if world_var is None:
@@ -336,7 +378,9 @@ class SlurmLauncher:
         if master_port is None:
             if "SLURM_JOB_ID" not in environ:
                 raise UsageError("neither MASTER_PORT nor SLURM_JOB_ID is set; export MASTER_PORT in the job script")
-            master_port = slurm_master_port(_read_int(environ, "SLURM_JOB_ID"))
+            step_var = _first_present(environ, SlurmLauncher.STEP_VARS)
+            assert step_var is not None  # detect() returned None above without one
+            master_port = slurm_master_port(_read_int(environ, "SLURM_JOB_ID"), _read_int(environ, step_var))
         return ClusterEnv(
             rank=rank,
             world_size=world_size,
@@ -434,11 +478,10 @@ def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[st
     _check_at_most(local_world_size, local_size_var, world_size, size_var)
     local_rank = _read_int(environ, local_rank_var)
     _check_below(local_rank, local_rank_var, local_world_size, local_size_var)
-    # MPI exports no node index. With mpiexec's default by-slot mapping, ranks fill a
-    # node before moving to the next, so the node is rank // ranks-per-node. Other
-    # mappings (--map-by node, round-robin) break this; hierarchical all-reduce, the one
-    # user of node_rank, needs by-slot mapping and equal ranks per node anyway.
-    # mpiexec sets no master: None until resolve_master_via_mpi() agrees on one.
+    # MPI exports no node index. rank // ranks-per-node is right for mpiexec's default
+    # by-slot mapping only (--map-by node places ranks round-robin); it stands in until
+    # resolve_master_via_mpi() asks MPI which ranks share a host (mpi_node_layout).
+    # mpiexec sets no master either: None until resolve_master_via_mpi() agrees on one.
     master_addr, master_port = _master_from_environ(environ)
     if (master_addr is None) != (master_port is None):
         raise UsageError(
@@ -457,9 +500,159 @@ def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[st
     )
 
 
+class EnvLauncher:
+    """``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` and nothing else: one process per host.
+
+    What a Kubeflow PyTorchJob exports to each pod, and what a plain ``env://`` launch
+    reads. Without ``LOCAL_RANK`` nobody started several processes on a host, so each
+    rank is its own node: local rank 0 of 1, node ``RANK`` of ``WORLD_SIZE``. Checked
+    after torchrun, srun and mpiexec, which set ``RANK`` and ``WORLD_SIZE`` too (torchrun
+    its own, srun and mpiexec when a job script exports them per task).
+    """
+
+    RANK_VAR = "RANK"
+    WORLD_VARS = ("WORLD_SIZE",)
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> ClusterEnv | None:
+        if "RANK" not in environ and "WORLD_SIZE" not in environ:
+            return None
+        # Pairing (RANK with WORLD_SIZE) was checked by check_rank_variables().
+        world_size = _read_int(environ, "WORLD_SIZE", minimum=1)
+        rank = _read_int(environ, "RANK")
+        _check_below(rank, "RANK", world_size, "WORLD_SIZE")
+        if "LOCAL_RANK" in environ:  # torchrun's set, which TorchElasticLauncher takes when MASTER_ADDR is there
+            raise UsageError(
+                "RANK, WORLD_SIZE and LOCAL_RANK are set but MASTER_ADDR is not; "
+                "export MASTER_ADDR and MASTER_PORT (rank 0's address and a free port), or launch with torchrun"
+            )
+        local_world_size = _read_optional_int(environ, "LOCAL_WORLD_SIZE", minimum=1)
+        if local_world_size not in (None, 1):
+            raise UsageError(
+                f"LOCAL_WORLD_SIZE={local_world_size} is set but LOCAL_RANK is not; export LOCAL_RANK for "
+                "each process (torchrun does), or unset LOCAL_WORLD_SIZE for one process per host"
+            )
+        master_addr, master_port = _master_from_environ(environ)
+        if master_addr is not None and master_port is None:
+            raise UsageError("MASTER_ADDR is set but MASTER_PORT is not; export both (rank 0's address, a free port)")
+        if master_addr is None and master_port is not None:
+            raise UsageError("MASTER_PORT is set but MASTER_ADDR is not; export both (rank 0's address, a free port)")
+        return ClusterEnv(
+            rank=rank,
+            world_size=world_size,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=rank,
+            num_nodes=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            launcher="env",
+        )
+
+
+def _require_env_master(env: ClusterEnv) -> ClusterEnv:
+    """The env launcher after explicit flags: the master must be known by now (flags may name it)."""
+    if env.master_addr is not None:
+        return env
+    if env.is_distributed:
+        raise UsageError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are not; export both "
+            "(rank 0's address and a free port), or pass --distributed-init-method tcp://HOST:PORT"
+        )
+    return replace(env, master_addr="127.0.0.1")  # one process: as single_process_env()
+
+
 # Fixed order: torchrun's variables are the most specific (srun torchrun ... sets both
-# torchrun's and Slurm's), then Slurm, then MPI (whose daemons may carry Slurm's).
-LAUNCHERS = (TorchElasticLauncher, SlurmLauncher, OpenMPILauncher, MPICHLauncher)
+# torchrun's and Slurm's), then Slurm, then MPI (whose daemons may carry Slurm's), then
+# bare RANK/WORLD_SIZE, which srun and mpiexec tasks may also carry.
+LAUNCHERS = (TorchElasticLauncher, SlurmLauncher, OpenMPILauncher, MPICHLauncher, EnvLauncher)
+_TASK_LAUNCHERS = (SlurmLauncher, OpenMPILauncher, MPICHLauncher)
+
+
+def check_rank_variables(environ: Mapping[str, str]) -> None:
+    """``RANK``/``WORLD_SIZE`` must be whole and must not contradict srun or mpiexec.
+
+    The rule, by who set them:
+
+    * torchrun (``TORCHELASTIC_RUN_ID`` set): they describe the worker. Under
+      ``srun torchrun`` Slurm's ``SLURM_PROCID``/``SLURM_NTASKS`` describe the torchrun
+      agent task that started it, a different process in a smaller world, so the two
+      are not compared (TorchElasticLauncher checks torchrun's own set).
+    * anyone else (a job script, ``srun bash -c 'RANK=$SLURM_PROCID ...'``): if srun or
+      mpiexec describe this process too, both describe the same process, so each of
+      ``RANK`` and ``WORLD_SIZE`` that is set must equal the task's rank and world size
+      (``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS``, ``OMPI_COMM_WORLD_RANK``/``_SIZE``,
+      ``PMI_RANK``/``PMI_SIZE``); either alone is fine there, the task launcher gives the
+      other. A per-node launcher other than torchrun started by srun (one task starting
+      several workers) is refused for that reason: start the workers with torchrun.
+    * no launcher: ``RANK`` and ``WORLD_SIZE`` must come together (EnvLauncher).
+
+    Raises a one-line ``UsageError`` naming the variables that disagree.
+    """
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return
+    has_rank, has_world = "RANK" in environ, "WORLD_SIZE" in environ
+    if not (has_rank or has_world):
+        return
+    for launcher in _TASK_LAUNCHERS:
+        task = launcher.detect(environ)
+        if task is None:
+            continue
+        world_var = _first_present(environ, launcher.WORLD_VARS) or launcher.WORLD_VARS[0]
+        fix = (
+            f"unset RANK and WORLD_SIZE ({task.launcher} gives every task its rank), "
+            "or start the workers with torchrun"
+        )
+        if has_world and _read_int(environ, "WORLD_SIZE", minimum=1) != task.world_size:
+            raise UsageError(
+                f"WORLD_SIZE={environ['WORLD_SIZE']} but {world_var}={task.world_size} and no torchrun "
+                f"(TORCHELASTIC_RUN_ID unset); {fix}"
+            )
+        if has_rank and _read_int(environ, "RANK") != task.rank:
+            raise UsageError(
+                f"RANK={environ['RANK']} but {launcher.RANK_VAR}={task.rank} and no torchrun "
+                f"(TORCHELASTIC_RUN_ID unset); {fix}"
+            )
+        return
+    if has_rank != has_world:
+        present, missing = ("RANK", "WORLD_SIZE") if has_rank else ("WORLD_SIZE", "RANK")
+        raise UsageError(
+            f"{present} is set but {missing} is not; export both (with MASTER_ADDR and MASTER_PORT), "
+            f"or unset {present} for a single process"
+        )
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def device_index(
+    local_rank: int,
+    local_world_size: int,
+    visible_devices: int,
+    visible_variable: str = "CUDA_VISIBLE_DEVICES",
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """The index, among the devices this process sees, of the device local rank ``local_rank`` uses.
+
+    ``local_rank % visible_devices``. One visible device is this rank's own whatever its
+    local rank (``srun --gpus-per-task=1`` or a per-rank ``CUDA_VISIBLE_DEVICES`` show
+    each task one GPU as index 0). With several visible, the node's ranks share them, so
+    more local ranks than visible devices would put two ranks on one device: a
+    ``UsageError`` naming ``visible_variable`` (on every rank of the node alike, so no
+    rank starts and waits for the others). ``environ`` (default ``os.environ``) only
+    supplies that variable's value for the message.
+    """
+    environ = os.environ if environ is None else environ
+    setting = f"{visible_variable}={environ.get(visible_variable, 'unset')}"
+    if visible_devices < 1:
+        raise UsageError(f"no device is visible to local rank {local_rank} ({setting}); check the job's allocation")
+    if visible_devices > 1 and local_world_size > visible_devices:
+        raise UsageError(
+            f"{local_world_size} ranks on this node but {visible_devices} devices visible ({setting}); "
+            f"start at most {visible_devices} processes per node, or give each rank its own device "
+            "(srun --gpus-per-task=1)"
+        )
+    return local_rank % visible_devices
 
 
 # --------------------------------------------------------------------------- explicit flags
@@ -609,23 +802,127 @@ def routable_address() -> str:
     return hostname
 
 
-def resolve_master_via_mpi(env: ClusterEnv) -> ClusterEnv:
-    """Fill in the master address and port under mpiexec, which sets neither.
+def resolve_master_via_mpi(env: ClusterEnv, node_comm: Any = None) -> ClusterEnv:
+    """Under mpiexec, fill in what the environment lacks: the master, and the real node of every rank.
 
     Rank 0 picks its own reachable address and a free port and broadcasts them over
-    ``MPI.COMM_WORLD``. A no-op when the master is already known (MASTER_ADDR and
-    MASTER_PORT exported, or another launcher).
+    ``MPI.COMM_WORLD`` (skipped when MASTER_ADDR and MASTER_PORT are exported). Node
+    rank, node count, local rank, local size and ``node_of_rank`` come from
+    ``mpi_node_layout``, i.e. from the hosts MPI actually placed the ranks on; call it
+    on every rank together, before the process group exists. ``node_comm`` is passed
+    on to ``mpi_node_layout`` (tests simulate hosts with it). Other launchers: returned
+    unchanged when their master is known.
     """
-    if env.master_addr is not None and env.master_port is not None:
+    needs_master = env.master_addr is None or env.master_port is None
+    needs_layout = env.launcher == "mpi" and env.node_of_rank is None
+    if not (needs_master or needs_layout):
         return env
     try:
         from mpi4py import MPI  # lazy: mpi4py is optional and loads the MPI library
     except ImportError:
+        if not needs_master:
+            return env  # MASTER_* exported: runs as before, node_of_rank stays unknown (None)
         raise UsageError(
             f"launcher {env.launcher} gives no master address and mpi4py is not installed: "
             "pip install 'distlm[mpi]' (or pip install mpi4py), or export MASTER_ADDR and MASTER_PORT"
         ) from None
     comm = MPI.COMM_WORLD
-    proposal = (routable_address(), find_free_port()) if env.rank == 0 else None
-    master_addr, master_port = comm.bcast(proposal, root=0)
-    return replace(env, master_addr=master_addr, master_port=int(master_port))
+    if (comm.Get_rank(), comm.Get_size()) != (env.rank, env.world_size):
+        # e.g. mpi4py built against another MPI than the mpiexec that started us: every
+        # process is then a world of its own, and would agree with nobody.
+        raise UsageError(
+            f"mpi4py sees rank {comm.Get_rank()} of {comm.Get_size()} but the launcher set rank {env.rank} of "
+            f"{env.world_size}; install mpi4py against the MPI whose mpiexec starts the job"
+        )
+    if needs_master:
+        proposal = (routable_address(), find_free_port()) if env.rank == 0 else None
+        master_addr, master_port = comm.bcast(proposal, root=0)
+        env = replace(env, master_addr=master_addr, master_port=int(master_port))
+    if needs_layout:
+        layout = mpi_node_layout(comm, node_comm)
+        env = replace(
+            env,
+            node_rank=layout.node_rank,
+            num_nodes=layout.num_nodes,
+            local_rank=layout.local_rank,
+            local_world_size=layout.local_world_size,
+            node_of_rank=layout.node_of_rank,
+        )
+    return env
+
+
+# --------------------------------------------------------------------------- nodes under MPI
+
+
+class NodeLayout(NamedTuple):
+    """Which ranks share a host, as every rank of the job sees it."""
+
+    node_rank: int
+    num_nodes: int
+    local_rank: int
+    """Position among the ranks of this node, in world-rank order."""
+    local_world_size: int
+    node_of_rank: tuple[int, ...]
+    """Node index of every world rank; nodes are numbered in the order of their lowest world rank."""
+
+
+def node_layout(rank: int, node_keys: Sequence[Hashable]) -> NodeLayout:
+    """The layout of rank ``rank`` given ``node_keys[r]``, any value naming the node of each rank ``r``.
+
+    Nodes are numbered by their lowest world rank (node 0 holds rank 0, node 1 the lowest
+    rank not on node 0, ...), so every rank that sees the same keys computes the same
+    numbering, whatever the keys are.
+    """
+    numbering: dict[Hashable, int] = {}
+    for key in node_keys:
+        numbering.setdefault(key, len(numbering))
+    node_of_rank = tuple(numbering[key] for key in node_keys)
+    node = node_of_rank[rank]
+    return NodeLayout(
+        node_rank=node,
+        num_nodes=len(numbering),
+        local_rank=node_of_rank[:rank].count(node),
+        local_world_size=node_of_rank.count(node),
+        node_of_rank=node_of_rank,
+    )
+
+
+def mpi_node_layout(comm: Any, node_comm: Any = None) -> NodeLayout:
+    """Which ranks of the mpi4py communicator ``comm`` share a host; call on every rank together.
+
+    The host is ``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``: the ranks that share
+    memory, i.e. the node MPI really placed them on, whatever the mapping (``--map-by
+    node`` places ranks round-robin, so rank // ranks-per-node is not the node).
+    ``OMPI_COMM_WORLD_NODE_RANK`` is not used: it is a rank on the node counted across
+    jobs, not the node index. ``node_comm``, the communicator of the ranks sharing this
+    rank's node, replaces that split when given (tests simulate several hosts on one
+    machine with ``comm.Split(color=fake_host)``); it is read only when passed.
+    """
+    from mpi4py import MPI  # comm is an mpi4py communicator, so mpi4py is there
+
+    rank = comm.Get_rank()
+    split_here = node_comm is None
+    if split_here:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        # Every rank names its node by the node's lowest world rank (agreed within the
+        # node), then all ranks exchange those names: two small collectives, once.
+        node_leader = node_comm.allreduce(rank, op=MPI.MIN)
+        node_keys = comm.allgather(node_leader)
+    finally:
+        if split_here:
+            node_comm.Free()
+    return node_layout(rank, node_keys)
+
+
+def ranks_by_node(node_of_rank: Sequence[int]) -> list[list[int]]:
+    """World ranks on each node, node by node, each list ascending: (0, 1, 0, 1) -> [[0, 2], [1, 3]].
+
+    With equal ranks per node this is the (nodes, ranks per node) rank grid of a
+    hierarchical all-reduce: rows are the intra-node groups, columns the inter-node ones
+    (``DeviceMesh(device, torch.tensor(ranks_by_node(...)), mesh_dim_names=("node", "local"))``).
+    """
+    nodes: list[list[int]] = [[] for _ in range(max(node_of_rank, default=-1) + 1)]
+    for rank, node in enumerate(node_of_rank):
+        nodes[node].append(rank)
+    return nodes

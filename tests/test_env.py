@@ -1,4 +1,6 @@
-"""Launcher detection: every launcher from a patched environment, the fixed order, explicit flags."""
+"""Launcher detection: every launcher from a patched environment, the fixed order, explicit flags,
+contradictory environments, Slurm step ports, device selection and MPI node layouts (pure logic;
+the real mpiexec placement test is tests/test_mpi_placement.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,16 @@ import types
 
 import pytest
 
+from distlm import env as env_module
 from distlm.env import (
     ClusterEnv,
     ExplicitLaunch,
+    device_index,
     expand_slurm_nodelist,
     expand_slurm_tasks_per_node,
+    node_layout,
     parse_init_method,
+    ranks_by_node,
     resolve_master_via_mpi,
     slurm_master_port,
 )
@@ -89,8 +95,14 @@ def test_torchrun_without_run_id_needs_the_full_set():
     base = torchrun_env(rank=1)
     del base["TORCHELASTIC_RUN_ID"]
     assert ClusterEnv.detect(base).launcher == "torchelastic"
+    # Without LOCAL_RANK it is not torchrun's set, and not one process per host either
+    # (LOCAL_WORLD_SIZE=4 says four share a host): named, not a silent single process.
     partial = {k: v for k, v in base.items() if k != "LOCAL_RANK"}
-    assert ClusterEnv.detect(partial).launcher == "single"
+    with pytest.raises(UsageError, match="LOCAL_WORLD_SIZE=4 is set but LOCAL_RANK is not"):
+        ClusterEnv.detect(partial)
+    no_master = {k: v for k, v in base.items() if k != "MASTER_ADDR"}
+    with pytest.raises(UsageError, match="RANK, WORLD_SIZE and LOCAL_RANK are set but MASTER_ADDR is not"):
+        ClusterEnv.detect(no_master)
 
 
 def test_torchrun_node_rank_falls_back_to_rank_over_local_size():
@@ -114,7 +126,7 @@ def test_srun_task_detected():
     env = ClusterEnv.detect(srun_env(procid=5))
     assert env == ClusterEnv(
         rank=5, world_size=6, local_rank=1, local_world_size=2, node_rank=2, num_nodes=3,
-        master_addr="gpu-st-p4d-24xlarge-7", master_port=slurm_master_port(123456), launcher="slurm",
+        master_addr="gpu-st-p4d-24xlarge-7", master_port=slurm_master_port(123456, 0), launcher="slurm",
     )
 
 
@@ -124,6 +136,30 @@ def test_slurm_port_comes_from_the_job_id_and_separates_concurrent_jobs():
     assert port_a != port_b
     assert all(10000 <= p < 30000 for p in (port_a, port_b))
     assert slurm_master_port(123456) == 10000 + 123456 % 20000
+
+
+def test_slurm_steps_of_one_job_get_different_ports():
+    # `srun ... doctor` (step 0) then `srun ... train` (step 1), or two steps side by side:
+    # the job id alone gave both the same port.
+    doctor = {ClusterEnv.detect(srun_env(procid=p, SLURM_STEP_ID="0")).master_port for p in range(6)}
+    train = {ClusterEnv.detect(srun_env(procid=p, SLURM_STEP_ID="1")).master_port for p in range(6)}
+    assert len(doctor) == 1 and len(train) == 1  # every task of a step agrees without talking
+    assert doctor != train
+    assert all(10000 <= port < 30000 for port in doctor | train)
+    # Slurm's older spelling of the step id gives the same port.
+    older = srun_env(procid=2)
+    older["SLURM_STEPID"] = older.pop("SLURM_STEP_ID")
+    assert ClusterEnv.detect(older).master_port == ClusterEnv.detect(srun_env(procid=2)).master_port
+
+
+def test_slurm_ports_of_nearby_jobs_and_steps_do_not_meet():
+    # Concurrent jobs on a node have close ids; their first steps must not share a port
+    # (job 4001 step 0 against job 4000 step 1, ...).
+    ports = [slurm_master_port(job, step) for job in range(4000, 4100) for step in range(10)]
+    assert len(set(ports)) == len(ports)
+    assert all(10000 <= port < 30000 for port in ports)
+    # Every step of one job gets its own port, as far as the range allows.
+    assert len({slurm_master_port(123456, step) for step in range(20000)}) == 20000
 
 
 def test_slurm_master_addr_and_port_from_environment_win():
@@ -187,6 +223,8 @@ def test_malformed_slurm_values_name_the_variable():
 
 
 def test_torchrun_under_srun_is_torchelastic():
+    # `srun torchrun`: Slurm's task is the torchrun agent (task 1 of 6), torchrun's RANK the
+    # worker (6 of 8). Two processes, two worlds: not a contradiction.
     environ = {**srun_env(procid=1), **torchrun_env(rank=6)}
     env = ClusterEnv.detect(environ)
     assert (env.launcher, env.rank, env.world_size) == ("torchelastic", 6, 8)
@@ -244,34 +282,80 @@ def test_malformed_mpi_values_name_the_variable():
         ClusterEnv.detect(ompi_env(OMPI_COMM_WORLD_SIZE="0"))
 
 
-def fake_mpi4py(monkeypatch, broadcast_result=None):
-    """A stand-in mpi4py whose COMM_WORLD.bcast records what it was given."""
+def fake_mpi4py(monkeypatch, rank, size=8, broadcast_result=None, hosts=None):
+    """A stand-in mpi4py for rank ``rank`` of ``size`` whose COMM_WORLD.bcast records what it was given.
+
+    The node layout is stubbed: ``mpi_node_layout`` answers from ``hosts`` (the host of
+    each rank; default 4 consecutive ranks per host) and records the communicators it got.
+    The real one runs under mpiexec in tests/test_mpi_placement.py.
+    """
     calls = []
+    hosts = hosts if hosts is not None else [f"host{r // 4}" for r in range(size)]
 
     class Comm:
+        def Get_rank(self):
+            return rank
+
+        def Get_size(self):
+            return size
+
         def bcast(self, obj, root=0):
             calls.append((obj, root))
             return obj if broadcast_result is None else broadcast_result
 
+    def stub_layout(comm, node_comm=None):
+        calls.append(("layout", node_comm))
+        return node_layout(comm.Get_rank(), hosts)
+
     module = types.ModuleType("mpi4py")
     module.MPI = types.SimpleNamespace(COMM_WORLD=Comm())
     monkeypatch.setitem(sys.modules, "mpi4py", module)
+    monkeypatch.setattr(env_module, "mpi_node_layout", stub_layout)
     return calls
 
 
 def test_resolve_master_via_mpi_rank0_proposes_and_broadcasts(monkeypatch):
-    calls = fake_mpi4py(monkeypatch)
+    calls = fake_mpi4py(monkeypatch, rank=0)
     env = resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=0)))
-    (proposal, root), = calls
+    (proposal, root), layout_call = calls
     assert root == 0 and proposal == (env.master_addr, env.master_port)
     assert env.master_addr and 0 < env.master_port < 65536
+    assert layout_call == ("layout", None)  # the real split, nothing injected
 
 
 def test_resolve_master_via_mpi_other_ranks_take_rank0s_answer(monkeypatch):
-    calls = fake_mpi4py(monkeypatch, broadcast_result=("node0", 41000))
+    calls = fake_mpi4py(monkeypatch, rank=5, broadcast_result=("node0", 41000))
     env = resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=5)))
-    assert calls == [(None, 0)]
+    assert calls == [(None, 0), ("layout", None)]
     assert (env.master_addr, env.master_port, env.rank) == ("node0", 41000, 5)
+
+
+def test_resolve_master_via_mpi_takes_the_nodes_from_mpi_not_from_rank_order(monkeypatch):
+    # mpiexec --map-by node on 2 hosts of 4 slots: ranks alternate between the hosts, while
+    # the environment alone can only guess rank // local size (node 1 for rank 5, local rank 1).
+    hosts = ["a", "b"] * 4
+    fake_mpi4py(monkeypatch, rank=5, hosts=hosts)
+    detected = ClusterEnv.detect(ompi_env(rank=5, MASTER_ADDR="a", MASTER_PORT="29400"))
+    env = resolve_master_via_mpi(detected)
+    same_host = [r for r in range(8) if hosts[r] == hosts[5]]
+    assert env.node_of_rank == tuple(0 if h == hosts[0] else 1 for h in hosts)
+    assert (env.node_rank, env.num_nodes) == (env.node_of_rank[5], len(set(hosts)))
+    assert (env.local_rank, env.local_world_size) == (same_host.index(5), len(same_host))
+    assert (env.master_addr, env.master_port, env.rank, env.world_size) == ("a", 29400, 5, 8)
+    assert resolve_master_via_mpi(env) is env  # known master and nodes: nothing left to ask
+
+
+def test_resolve_master_via_mpi_refuses_an_mpi4py_that_sees_another_world(monkeypatch):
+    # mpi4py built against another MPI than the mpiexec: every process is its own world.
+    fake_mpi4py(monkeypatch, rank=0, size=1)
+    with pytest.raises(UsageError, match="mpi4py sees rank 0 of 1 but the launcher set rank 5 of 8"):
+        resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=5)))
+
+
+def test_resolve_master_via_mpi_with_exported_master_and_no_mpi4py_runs_as_before(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    env = ClusterEnv.detect(ompi_env(rank=5, MASTER_ADDR="node0", MASTER_PORT="29400"))
+    assert resolve_master_via_mpi(env) is env and env.node_of_rank is None
 
 
 def test_resolve_master_via_mpi_without_mpi4py(monkeypatch):
@@ -284,6 +368,156 @@ def test_resolve_master_via_mpi_keeps_a_known_master(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # would fail if it were imported
     env = ClusterEnv.detect(torchrun_env())
     assert resolve_master_via_mpi(env) is env
+
+
+# --------------------------------------------------------------------------- node layouts
+
+
+def reference_layout(rank: int, hosts: list[str]) -> tuple:
+    """The layout the spec describes, computed from scratch: nodes ordered by their lowest rank."""
+    first_rank = {host: min(r for r, h in enumerate(hosts) if h == host) for host in hosts}
+    order = sorted(set(hosts), key=first_rank.__getitem__)
+    node_of_rank = tuple(order.index(h) for h in hosts)
+    mates = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return order.index(hosts[rank]), len(order), mates.index(rank), len(mates), node_of_rank
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["a", "b", "a", "b"],  # mpiexec --map-by node: round-robin
+        ["a", "a", "b", "b"],  # by slot
+        ["z", "y", "y", "z", "x", "x"],  # names sorting against rank order
+        ["a", "b", "b", "b", "c"],  # uneven
+    ],
+)
+def test_node_layout_numbers_nodes_by_their_lowest_rank(hosts):
+    layouts = [node_layout(rank, hosts) for rank in range(len(hosts))]
+    for rank, layout in enumerate(layouts):
+        assert tuple(layout) == reference_layout(rank, hosts)
+    assert len({layout.node_of_rank for layout in layouts}) == 1  # every rank agrees
+    # A ClusterEnv accepts what node_layout gives.
+    for rank, layout in enumerate(layouts):
+        ClusterEnv(
+            rank=rank, world_size=len(hosts), local_rank=layout.local_rank, local_world_size=layout.local_world_size,
+            node_rank=layout.node_rank, num_nodes=layout.num_nodes, master_addr=None, master_port=None,
+            launcher="mpi", node_of_rank=layout.node_of_rank,
+        )
+
+
+def test_ranks_by_node_is_the_membership_grid():
+    hosts = ["a", "b", "a", "b", "c", "c"]
+    nodes = ranks_by_node(node_layout(0, hosts).node_of_rank)
+    assert nodes == [[r for r, h in enumerate(hosts) if h == host] for host in ("a", "b", "c")]
+
+
+def test_cluster_env_refuses_a_membership_that_contradicts_it():
+    fields = dict(rank=1, world_size=4, local_rank=0, local_world_size=2, node_rank=1, num_nodes=2,
+                  master_addr=None, master_port=None, launcher="mpi")
+    ClusterEnv(**fields, node_of_rank=(0, 1, 0, 1))
+    for wrong in [(0, 0, 1, 1), (0, 1, 0), (0, 1, 2, 1), (0, 1, 1, 1)]:
+        with pytest.raises(ValueError, match="node_of_rank"):
+            ClusterEnv(**fields, node_of_rank=wrong)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_one_visible_device_is_every_ranks_own():
+    # srun --gpus-per-task=1: local rank 3 of 4 sees one GPU, as index 0.
+    assert [device_index(rank, 4, 1) for rank in range(4)] == [0, 0, 0, 0]
+
+
+def test_ranks_share_the_visible_devices_by_local_rank():
+    assert [device_index(rank, 8, 8) for rank in range(8)] == list(range(8))
+    assert [device_index(rank, 2, 4) for rank in range(2)] == [0, 1]
+
+
+def test_more_local_ranks_than_visible_devices_names_the_variable():
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    for rank in (0, 15):  # every rank of the node alike, not only the ones past the end
+        with pytest.raises(UsageError, match=r"16 ranks on this node but 8 devices visible \(CUDA_VISIBLE_DEVICES=0,1,"):
+            device_index(rank, 16, 8, environ=environ)
+    with pytest.raises(UsageError, match="NEURON_RT_VISIBLE_CORES=unset"):
+        device_index(0, 1, 0, "NEURON_RT_VISIBLE_CORES", environ={})
+
+
+# --------------------------------------------------------------------------- RANK/WORLD_SIZE alone
+
+
+def kubeflow_env(rank: int = 3, **extra: str) -> dict[str, str]:
+    """What a Kubeflow PyTorchJob of 4 pods exports to pod ``rank`` (one process each)."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "bert-master-0",
+        "MASTER_PORT": "23456",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(extra)
+    return env
+
+
+def test_kubeflow_pytorchjob_is_one_process_per_host():
+    envs = [ClusterEnv.detect(kubeflow_env(rank=r)) for r in range(4)]
+    for rank, env in enumerate(envs):
+        assert env == ClusterEnv(
+            rank=rank, world_size=4, local_rank=0, local_world_size=1, node_rank=rank, num_nodes=4,
+            master_addr="bert-master-0", master_port=23456, launcher="env",
+        )
+    assert "launcher env, one process per host: rank 3 of 4" in envs[3].describe()
+
+
+def test_rank_variables_alone_do_not_steal_other_launchers():
+    # A job script exporting RANK/WORLD_SIZE per task, agreeing with srun or mpiexec.
+    assert ClusterEnv.detect(srun_env(procid=5, RANK="5", WORLD_SIZE="6")).launcher == "slurm"
+    assert ClusterEnv.detect(srun_env(procid=5, WORLD_SIZE="6")).launcher == "slurm"
+    assert ClusterEnv.detect(ompi_env(rank=5, RANK="5", WORLD_SIZE="8")).launcher == "mpi"
+
+
+def test_rank_variables_with_one_process_and_no_master():
+    env = ClusterEnv.detect({"RANK": "0", "WORLD_SIZE": "1"})
+    assert (env.launcher, env.is_distributed, env.master_addr, env.master_port) == ("env", False, "127.0.0.1", None)
+
+
+def test_rank_variables_with_explicit_flags():
+    # fairseq flags may repeat the environment and name the master, never contradict it.
+    environ = {"RANK": "2", "WORLD_SIZE": "4"}
+    env = ClusterEnv.detect(environ, ExplicitLaunch(world_size=4, rank=2, init_method="tcp://h0:29500"))
+    assert (env.launcher, env.rank, env.master_addr, env.master_port) == ("env", 2, "h0", 29500)
+    with pytest.raises(UsageError, match="--distributed-rank 3 but RANK=2"):
+        ClusterEnv.detect(kubeflow_env(rank=2), ExplicitLaunch(rank=3))
+    env = ClusterEnv.detect(kubeflow_env(rank=2), ExplicitLaunch(init_method="env://"))
+    assert (env.master_addr, env.master_port) == ("bert-master-0", 23456)
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "4"}, "WORLD_SIZE is set but RANK is not"),
+        (kubeflow_env(rank=4), "RANK=4 must be below WORLD_SIZE=4"),
+        (kubeflow_env(MASTER_PORT="x"), "MASTER_PORT='x' is not an integer"),
+        ({k: v for k, v in kubeflow_env().items() if k != "MASTER_PORT"}, "MASTER_ADDR is set but MASTER_PORT is not"),
+        ({k: v for k, v in kubeflow_env().items() if k != "MASTER_ADDR"}, "MASTER_PORT is set but MASTER_ADDR is not"),
+        ({"RANK": "1", "WORLD_SIZE": "4"}, "RANK and WORLD_SIZE are set but MASTER_ADDR and MASTER_PORT are not"),
+        (kubeflow_env(LOCAL_WORLD_SIZE="2"), "LOCAL_WORLD_SIZE=2 is set but LOCAL_RANK is not"),
+        # Set by hand next to srun's task variables, without torchrun: two stories of one process.
+        (srun_env(procid=5, RANK="5", WORLD_SIZE="8"),
+         r"WORLD_SIZE=8 but SLURM_STEP_NUM_TASKS=6 and no torchrun \(TORCHELASTIC_RUN_ID unset\)"),
+        (srun_env(procid=5, RANK="0", WORLD_SIZE="6"), "RANK=0 but SLURM_PROCID=5 and no torchrun"),
+        (srun_env(procid=5, RANK="3"), "RANK=3 but SLURM_PROCID=5"),
+        ({**srun_env(procid=1), **{k: v for k, v in torchrun_env(rank=6).items() if k != "TORCHELASTIC_RUN_ID"}},
+         "WORLD_SIZE=8 but SLURM_STEP_NUM_TASKS=6"),
+        (ompi_env(rank=5, RANK="5", WORLD_SIZE="4"), "WORLD_SIZE=4 but OMPI_COMM_WORLD_SIZE=8"),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "RANK": "0"},
+         "RANK=0 but PMI_RANK=1"),
+    ],
+)
+def test_partial_or_contradictory_environment_is_one_line_naming_the_variables(environ, message):
+    with pytest.raises(UsageError, match=message) as caught:
+        ClusterEnv.detect(environ)
+    assert "\n" not in str(caught.value)
 
 
 # --------------------------------------------------------------------------- explicit flags
