@@ -2,6 +2,7 @@
 
 Parallelism is applied from outside (distlm.parallel), guided by each model class's
 ``tp_plan``; nothing here imports torch.distributed (convention 1 in DESIGN.md).
+``distlm.models.hf`` converts configs and weights to and from Hugging Face's models.
 """
 
 from distlm.models.llama import LlamaCausalLM, LlamaConfig

@@ -74,6 +74,9 @@ def model_blocks(model: nn.Module) -> nn.ModuleList | None:
     return getattr(model, "blocks", None)
 
 
-def model_tp_plan(model_class: type) -> dict[str, str]:
-    """The declared tensor-parallel plan of a model class; empty when it declares none."""
-    return dict(getattr(model_class, "tp_plan", None) or {})
+def model_tp_plan(model: nn.Module | type) -> dict[str, str]:
+    """The declared tensor-parallel plan of a model (or model class); empty when it declares none.
+
+    A model instance may declare a plan of its own (a Llama whose output is tied to its
+    embedding splits differently from one that is not)."""
+    return dict(getattr(model, "tp_plan", None) or {})

@@ -1,11 +1,13 @@
 """Llama causal language model (Llama 2 / Llama 3 layout, torchtitan-style names).
 
-Pre-RMSNorm blocks, rotary position embeddings, SwiGLU feed-forward, grouped-query
-attention and an untied output projection.
+Pre-RMSNorm blocks, rotary position embeddings (optionally with Llama 3.1's frequency
+scaling), SwiGLU feed-forward, grouped-query attention, and an output projection that is
+either its own matrix or the token embedding itself (``tie_word_embeddings``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm.errors import UsageError
+
+# Rotary frequency scalings distlm implements (Hugging Face's rope_type names).
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass
@@ -22,17 +27,35 @@ class LlamaConfig:
     n_layers: int = 32
     """Number of transformer blocks."""
     n_heads: int = 32
-    """Query heads per block; must divide ``dim``."""
+    """Query heads per block; must divide ``dim`` unless ``head_size`` is set."""
     n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None means ``n_heads`` (plain multi-head)."""
+    head_size: int | None = None
+    """Size of each attention head (Hugging Face's ``head_dim``); None means ``dim // n_heads``."""
+    ffn_dim: int | None = None
+    """Feed-forward hidden size (Hugging Face's ``intermediate_size``); None derives it from
+    ``multiple_of`` and ``ffn_dim_multiplier`` as Meta's reference code does."""
     multiple_of: int = 256
-    """The feed-forward hidden size is rounded up to a multiple of this."""
+    """The derived feed-forward hidden size is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
-    """Scales the feed-forward hidden size before rounding (Llama 3 uses 1.3)."""
+    """Scales the derived feed-forward hidden size before rounding (Llama 3 uses 1.3)."""
     norm_eps: float = 1e-5
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary embedding frequencies."""
+    rope_type: str = "default"
+    """Rotary frequency scaling: ``"default"`` (none) or ``"llama3"`` (Llama 3.1's, set by the
+    four ``rope_*`` fields below, which ``"default"`` ignores)."""
+    rope_factor: float = 8.0
+    """llama3 scaling: low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_max_seq_len / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_max_seq_len / this are left alone."""
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length of pretraining before the extension."""
+    tie_word_embeddings: bool = False
+    """The output projection is the token embedding matrix (one parameter, not a copy)."""
     max_seq_len: int = 2048
     """Longest sample in tokens; sizes the rotary tables."""
     dropout: float = 0.0
@@ -40,7 +63,7 @@ class LlamaConfig:
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     vocab_size: int = 0
-    """Vocabulary size; always set from the data, never by the arch."""
+    """Vocabulary size: a published arch's own, else (0) set from the data at build time."""
     padding_idx: int = 1
     """Padding token id. Only recorded: causal attention needs no padding mask because
     the loss ignores padded targets."""
@@ -51,27 +74,52 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.dim // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU hidden size as in Meta's reference: 2/3 of 4*dim (three matrices
-        instead of two keep the FLOPs of a 4*dim MLP), scaled, then rounded up."""
+        """``ffn_dim`` when given, else the SwiGLU hidden size of Meta's reference: 2/3 of
+        4*dim (three matrices instead of two keep the FLOPs of a 4*dim MLP), scaled, then
+        rounded up."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def llama3_scaling(self) -> tuple[float, float, float, int] | None:
+        """The arguments of ``llama3_scaled_frequencies`` when rope_type is llama3, else None."""
+        if self.rope_type != "llama3":
+            return None
+        return self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len
+
     def validate(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "kv_heads", "multiple_of", "max_seq_len", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"model setting {name}={getattr(self, name)} must be positive")
-        if self.dim % self.n_heads != 0:
+        for name in ("head_size", "ffn_dim"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UsageError(f"model setting {name}={getattr(self, name)} must be positive (or None)")
+        if self.head_size is None and self.dim % self.n_heads != 0:
             raise UsageError(f"model setting n_heads={self.n_heads} must divide dim={self.dim}")
         if self.head_dim % 2 != 0:
+            shown = "head_size" if self.head_size is not None else "head size dim/n_heads"
+            raise UsageError(f"{shown}={self.head_dim} must be even for rotary embeddings")
+        if self.rope_type not in ROPE_TYPES:
             raise UsageError(
-                f"head size dim/n_heads={self.head_dim} must be even for rotary embeddings"
+                f"model setting rope_type={self.rope_type!r} is unknown; choose one of: {', '.join(ROPE_TYPES)}"
             )
+        if self.rope_type == "llama3":
+            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+                if getattr(self, name) <= 0:
+                    raise UsageError(f"model setting {name}={getattr(self, name)} must be positive")
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise UsageError(
+                    f"model setting rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                    f"rope_low_freq_factor={self.rope_low_freq_factor}"
+                )
         if self.n_heads % self.kv_heads != 0:
             raise UsageError(
                 f"model setting n_kv_heads={self.kv_heads} must divide n_heads={self.n_heads}"
@@ -81,9 +129,35 @@ class LlamaConfig:
                 raise UsageError(f"model setting {name}={getattr(self, name)} must be in [0, 1)")
 
 
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position * frequency, each ``[max_seq_len, head_dim // 2]``, in float32."""
+def llama3_scaled_frequencies(
+    freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_seq_len: int
+) -> torch.Tensor:
+    """Llama 3.1's context extension: frequencies whose wavelength exceeds
+    ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, those below
+    ``original_max_seq_len / high_freq_factor`` are kept, and the band between is
+    interpolated (Meta's formula). The tensor operations and their order are those of
+    transformers' ``_compute_llama3_parameters``, so the float32 results are identical."""
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / factor, freqs)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_tables(
+    head_dim: int, max_seq_len: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position * frequency, each ``[max_seq_len, head_dim // 2]``, in float32.
+
+    ``llama3_scaling``: (factor, low_freq_factor, high_freq_factor, original_max_seq_len)
+    of Llama 3.1's frequency scaling, or None for plain rotary embeddings.
+    """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if llama3_scaling is not None:
+        freqs = llama3_scaled_frequencies(freqs, *llama3_scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -92,7 +166,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate adjacent pairs (x[2i], x[2i+1]) of ``x: [B, T, H, D]`` by their angles.
 
     Adjacent pairs are Meta's layout (a complex view of the head); Hugging Face's
-    checkpoints permute wq/wk to rotate halves instead, so exports must permute too.
+    checkpoints permute wq/wk to rotate halves instead, and distlm.models.hf.llama
+    permutes them both ways.
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
@@ -183,6 +258,26 @@ class LlamaCausalLM(nn.Module):
         "norm": "sequence_norm",
         "output": "colwise_output",
     }
+    # With tie_word_embeddings the output projection *is* tok_embeddings.weight, and one
+    # parameter cannot take both the vocab_embedding and the colwise_output layout. So,
+    # as in RoBERTa, the embedding stays replicated and the logits whole (no loss
+    # parallel); under sequence parallel the blocks form one sequence region (split
+    # before the first, gathered after the last) and the final norm sees the whole
+    # sequence. A tied model carries this plan as its instance's tp_plan.
+    tied_tp_plan: dict[str, str] = {
+        "layers": "sequence_region",
+        "layers.*.attention_norm": "sequence_norm",
+        "layers.*.attention": "sequence_gather",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": "colwise",
+        "layers.*.attention.wv": "colwise",
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "sequence_norm",
+        "layers.*.feed_forward": "sequence_gather",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+    }
     # Config fields (or properties) the tensor-parallel degree must divide.
     tp_divisible: tuple[str, ...] = ("n_heads", "kv_heads", "ffn_hidden_dim")
 
@@ -190,6 +285,8 @@ class LlamaCausalLM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
+        if config.tie_word_embeddings:
+            self.tp_plan = self.tied_tp_plan
         target_device = torch.get_default_device()
         # Modules are created on meta and initialised only by init_weights(), so the
         # torch RNG is consumed the same way whether the model is built directly on
@@ -198,9 +295,12 @@ class LlamaCausalLM(nn.Module):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
             self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+            # A tied projection is tok_embeddings.weight, passed at call time rather than
+            # registered twice: a second registration would be split apart by to_empty
+            # and by FSDP, silently untying the weights.
+            self.output = None if config.tie_word_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
             # Non-persistent: derived from the config, so checkpoints need not carry
-            # them, and init_weights() recomputes them after meta construction.
+            # them, and init_buffers() computes them after meta construction.
             half = config.head_dim // 2
             self.register_buffer(
                 "rope_cos", torch.empty(config.max_seq_len, half, dtype=torch.float32), persistent=False
@@ -229,7 +329,7 @@ class LlamaCausalLM(nn.Module):
     def init_weights(self) -> None:
         """N(0, 0.02) weights; projections that write into the residual stream (wo,
         w2) are scaled down by sqrt(2 * n_layers) so the residual variance does not
-        grow with depth (GPT-2's scheme)."""
+        grow with depth (GPT-2's scheme). Also computes the buffers (init_buffers)."""
         config = self.config
         residual_std = 0.02 / (2 * config.n_layers) ** 0.5
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
@@ -242,8 +342,19 @@ class LlamaCausalLM(nn.Module):
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
-        nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
-        cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, mean=0.0, std=0.02)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Compute the rotary tables, which derive from the config and are in no checkpoint.
+
+        Draws nothing from the RNG: call it after loading weights into a materialised
+        meta model instead of init_weights().
+        """
+        config = self.config
+        cos, sin = rotary_tables(config.head_dim, config.max_seq_len, config.rope_theta, config.llama3_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -259,4 +370,7 @@ class LlamaCausalLM(nn.Module):
         x = self.tok_embeddings(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.output(self.norm(x))
+        x = self.norm(x)
+        if self.output is None:
+            return F.linear(x, self.tok_embeddings.weight)
+        return self.output(x)

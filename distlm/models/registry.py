@@ -12,29 +12,33 @@ from distlm.errors import UsageError
 from distlm.models.llama import LlamaCausalLM, LlamaConfig
 from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
 
-# arch name -> (model class, config). Vocabulary size and padding id are left at
-# their defaults here: they come from the data at build time.
+# arch name -> (model class, config). A published arch carries its published vocabulary
+# size, so it builds with no data; the tiny ones leave vocab_size at 0: it comes from
+# the data at build time. Every build may override both (build_model's arguments).
 ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
     # Small enough (~1.8M parameters without the embedding) to train on one CPU core.
     "roberta_tiny": (
         RobertaMaskedLM,
         RobertaConfig(dim=192, n_layers=4, n_heads=4, ffn_dim=768, max_positions=512),
     ),
+    # fairseq's roberta.base / Hugging Face's roberta-base (GPT-2 BPE, 50265 symbols).
     "roberta_base": (
         RobertaMaskedLM,
-        RobertaConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_positions=512),
+        RobertaConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_positions=512, vocab_size=50265),
     ),
     "roberta_large": (
         RobertaMaskedLM,
-        RobertaConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, max_positions=512),
+        RobertaConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, max_positions=512, vocab_size=50265),
     ),
     "llama_tiny": (
         LlamaCausalLM,
         LlamaConfig(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, multiple_of=64, max_seq_len=2048),
     ),
+    # The feed-forward sizes come from Meta's params.json (multiple_of, ffn_dim_multiplier):
+    # 11008 for Llama 2 7B and 14336 for Llama 3 8B, Hugging Face's intermediate_size.
     "llama2_7b": (
         LlamaCausalLM,
-        LlamaConfig(dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=4096),
+        LlamaConfig(dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=4096, vocab_size=32000),
     ),
     "llama3_8b": (
         LlamaCausalLM,
@@ -47,6 +51,27 @@ ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
             ffn_dim_multiplier=1.3,
             rope_theta=500000.0,
             max_seq_len=8192,
+            vocab_size=128256,
+        ),
+    ),
+    # Llama 3 8B's weights layout with the 128K context of Llama 3.1 (llama3 rope scaling).
+    "llama3_1_8b": (
+        LlamaCausalLM,
+        LlamaConfig(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            multiple_of=1024,
+            ffn_dim_multiplier=1.3,
+            rope_theta=500000.0,
+            rope_type="llama3",
+            rope_factor=8.0,
+            rope_low_freq_factor=1.0,
+            rope_high_freq_factor=4.0,
+            rope_original_max_seq_len=8192,
+            max_seq_len=131072,
+            vocab_size=128256,
         ),
     ),
 }
@@ -85,13 +110,23 @@ def _accepts(annotation: object, value: object) -> bool:
     return isinstance(value, annotation)
 
 
-def build_model(arch: str, vocab_size: int, padding_idx: int = 1, **overrides: object) -> nn.Module:
+def build_model(
+    arch: str, vocab_size: int | None = None, padding_idx: int | None = None, **overrides: object
+) -> nn.Module:
     """Build ``arch`` on the current default device (use ``with torch.device("meta")``
     for deferred initialisation, then ``to_empty`` and ``init_weights()``).
 
-    ``overrides`` replace fields of the arch's config, e.g. ``dropout=0.0``.
+    ``vocab_size`` and ``padding_idx`` default to the arch's own: a published arch's
+    vocabulary, padding id 1. ``overrides`` replace fields of the arch's config, e.g.
+    ``dropout=0.0``.
     """
     model_class, base_config = _lookup(arch)
+    if vocab_size is None:
+        vocab_size = base_config.vocab_size
+        if vocab_size <= 0:
+            raise UsageError(f"--arch {arch} takes its vocabulary size from the data; pass vocab_size")
+    if padding_idx is None:
+        padding_idx = base_config.padding_idx
     # get_type_hints resolves the string annotations left by `from __future__ import annotations`.
     field_types = typing.get_type_hints(type(base_config))
     settings = [f.name for f in dataclasses.fields(base_config) if f.name not in _BUILD_ARGUMENTS]

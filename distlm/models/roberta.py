@@ -34,7 +34,7 @@ class RobertaConfig:
     layer_norm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
     vocab_size: int = 0
-    """Vocabulary size; always set from the data, never by the arch."""
+    """Vocabulary size: a published arch's own, else (0) set from the data at build time."""
     padding_idx: int = 1
     """Token id of padding; its embedding row stays zero and it is masked out of attention."""
 
@@ -197,6 +197,10 @@ class RobertaMaskedLM(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
         nn.init.zeros_(self.lm_head.bias)
+
+    def init_buffers(self) -> None:
+        """Compute the buffers that derive from the config: RoBERTa has none (its
+        positions are a learned table), unlike Llama's rotary tables."""
 
     def forward(
         self, input_ids: torch.Tensor, masked_tokens: torch.Tensor | None = None

@@ -1,0 +1,195 @@
+"""Hugging Face in and out: ``config.json`` <-> distlm model configs, and weights converted
+tensor by tensor, so an 8B model streams with one tensor in memory and a rank can load
+only the tensors (or rows) it holds.
+
+One adapter module per model, the single place where its mapping details live:
+``hf/llama.py`` (LlamaForCausalLM) and ``hf/roberta.py`` (RobertaForMaskedLM). Each offers
+
+``config_from_hf(hf_config)``                 -> (distlm config, SpecialTokens); refuses what distlm cannot represent
+``config_to_hf(config, tokens, dtype)``       -> the ``config.json`` dict
+``generation_config(tokens)``                 -> the ``generation_config.json`` dict, or None (masked LM)
+``import_tensor(config, name, fetch)``        -> distlm tensor ``name``, from the tensors ``fetch(hf_name)`` returns
+``export_tensors(config, name, tensor)``      -> the (hf_name, tensor) pairs made from one distlm tensor
+
+Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).
+``load_hf_model`` and ``write_hf_directory`` below put the pieces together; ``io`` reads
+and writes the directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from distlm.errors import UsageError
+from distlm.models.hf import io, llama, roberta
+from distlm.models.hf.common import Fetch, SpecialTokens, refuse
+
+logger = logging.getLogger("distlm")
+
+ADAPTERS: dict[str, ModuleType] = {llama.MODEL_TYPE: llama, roberta.MODEL_TYPE: roberta}
+
+__all__ = [
+    "ADAPTERS",
+    "SpecialTokens",
+    "adapter_for",
+    "adapter_for_hf",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_tensor_specs",
+    "load_hf_model",
+    "save_hf_model",
+    "write_hf_directory",
+]
+
+
+def adapter_for_hf(hf_config: dict[str, Any]) -> ModuleType:
+    """The adapter module for a ``config.json``'s ``model_type``."""
+    model_type = hf_config.get("model_type")
+    if model_type not in ADAPTERS:
+        supported = ", ".join(f"{name} ({adapter.ARCHITECTURE})" for name, adapter in ADAPTERS.items())
+        raise refuse("model_type", model_type, f"distlm converts only {supported}")
+    return ADAPTERS[model_type]
+
+
+def adapter_for(config: object) -> ModuleType:
+    """The adapter module for a distlm model config."""
+    for adapter in ADAPTERS.values():
+        if isinstance(config, adapter.CONFIG_CLASS):
+            return adapter
+    raise UsageError(f"a {type(config).__name__} has no Hugging Face adapter; distlm exports Llama and RoBERTa models")
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> tuple[type[nn.Module], Any, SpecialTokens]:
+    """(distlm model class, its config, the special token ids) of a Hugging Face ``config.json``."""
+    adapter = adapter_for_hf(hf_config)
+    config, tokens = adapter.config_from_hf(hf_config)
+    return adapter.MODEL_CLASS, config, tokens
+
+
+def config_to_hf(config: Any, tokens: SpecialTokens, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The ``config.json`` dict of a distlm model config."""
+    return adapter_for(config).config_to_hf(config, tokens, dtype)
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_meta else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def hf_tensor_specs(config: Any, distlm_tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[io.TensorSpec, str]]:
+    """Hugging Face name -> (its spec, the distlm tensor it is made from), in export order.
+
+    ``distlm_tensors``: name -> tensor of the single-device model; meta tensors suffice.
+    """
+    adapter = adapter_for(config)
+    specs: dict[str, tuple[io.TensorSpec, str]] = {}
+    for name, tensor in distlm_tensors.items():
+        for hf_name, hf_tensor in adapter.export_tensors(config, name, _meta(tensor)):
+            specs[hf_name] = (io.TensorSpec.of(hf_name, hf_tensor), name)
+    return specs
+
+
+def load_hf_model(
+    directory: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, SpecialTokens]:
+    """The distlm model of a Hugging Face model directory, and its special token ids.
+
+    The model is built on the meta device and materialised once; each parameter is then
+    filled from the safetensors files, one tensor at a time. Hugging Face tensors the
+    model does not use (a pooler, a tied ``lm_head.weight``) are listed in an info log.
+    """
+    directory = Path(directory)
+    hf_config = io.read_config(directory)
+    adapter = adapter_for_hf(hf_config)
+    config, tokens = adapter.config_from_hf(hf_config)
+    with torch.device("meta"):
+        model = adapter.MODEL_CLASS(config)
+    expected = {hf_name: spec.shape for hf_name, (spec, _) in hf_tensor_specs(config, model.state_dict()).items()}
+    model.to_empty(device=device)
+    model.to(dtype=dtype)
+    used: set[str] = set()
+    with io.SafetensorsWeights(directory) as weights:
+
+        def fetch(hf_name: str) -> torch.Tensor:
+            tensor = weights[hf_name]
+            used.add(hf_name)
+            if hf_name in expected and tuple(tensor.shape) != expected[hf_name]:
+                raise UsageError(
+                    f"{directory}: tensor {hf_name} has shape {list(tensor.shape)}, but config.json "
+                    f"implies {list(expected[hf_name])}"
+                )
+            return tensor
+
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(_import(adapter, config, name, fetch, directory))
+        unused = sorted(set(weights) - used)
+    model.init_buffers()
+    if unused:
+        logger.info("%s: %d tensors unused by distlm's %s: %s", directory, len(unused), adapter.MODEL_CLASS.__name__,
+                    ", ".join(unused))
+    return model, tokens
+
+
+def _import(adapter: ModuleType, config: Any, name: str, fetch: Fetch, directory: Path) -> torch.Tensor:
+    try:
+        return adapter.import_tensor(config, name, fetch)
+    except KeyError as missing:
+        raise UsageError(
+            f"{directory}: no tensor {missing.args[0]} (distlm's {name} is made from it); "
+            f"the weights are not those of the {adapter.ARCHITECTURE} config.json describes"
+        ) from None
+
+
+def write_hf_directory(
+    directory: str | Path,
+    config: Any,
+    distlm_tensors: Mapping[str, torch.Tensor],
+    fetch: Fetch,
+    tokens: SpecialTokens,
+    *,
+    max_shard_size: int | str = io.DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Write a Hugging Face model directory: weights, ``config.json`` and, for a causal LM,
+    ``generation_config.json``; returns the files written. Tokenizer files are the caller's.
+
+    ``distlm_tensors``: name -> tensor of the single-device model, only read for names,
+    shapes and dtypes (meta tensors suffice). ``fetch(name)`` returns the real distlm
+    tensor; it is called once per Hugging Face tensor made from it, just before that is
+    written, so one tensor at a time need be in memory (e.g. read from a checkpoint).
+    """
+    directory = Path(directory)
+    adapter = adapter_for(config)
+    specs = hf_tensor_specs(config, distlm_tensors)
+    if not specs:
+        raise ValueError("no tensors to write")
+
+    def fetch_hf(hf_name: str) -> torch.Tensor:
+        source = specs[hf_name][1]
+        return dict(adapter.export_tensors(config, source, fetch(source)))[hf_name]
+
+    paths = io.write_safetensors(directory, [spec for spec, _ in specs.values()], fetch_hf, max_shard_size)
+    dtype = next(iter(specs.values()))[0].dtype
+    paths.append(io.write_json(directory, io.CONFIG_NAME, adapter.config_to_hf(config, tokens, dtype)))
+    generation = adapter.generation_config(tokens)
+    if generation is not None:
+        paths.append(io.write_json(directory, io.GENERATION_CONFIG_NAME, generation))
+    return paths
+
+
+def save_hf_model(
+    model: nn.Module,
+    directory: str | Path,
+    tokens: SpecialTokens,
+    *,
+    max_shard_size: int | str = io.DEFAULT_MAX_SHARD_SIZE,
+) -> list[Path]:
+    """Write a single-device distlm model as a Hugging Face model directory (see write_hf_directory)."""
+    state = model.state_dict()
+    return write_hf_directory(directory, model.config, state, state.__getitem__, tokens, max_shard_size=max_shard_size)

@@ -1,0 +1,68 @@
+"""What the per-model adapters share: special token ids, the tensor-fetch signature,
+and one-line refusals of Hugging Face settings distlm cannot represent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from distlm.errors import UsageError
+
+Fetch = Callable[[str], torch.Tensor]
+"""Returns the tensor of the given name; raises KeyError when there is none."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids that Hugging Face keeps in ``config.json`` and ``generation_config.json``.
+
+    distlm's models do not hold them (a dictionary or tokenizer does), so they travel
+    next to the model config: read on import, written back on export.
+    """
+
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf_config: dict[str, Any], defaults: dict[str, Any]) -> SpecialTokens:
+        """The ids of a ``config.json``, with transformers' defaults for absent keys."""
+        names = ("bos_token_id", "eos_token_id", "pad_token_id")
+        return cls(**{name: setting(hf_config, defaults, name) for name in names})
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+
+
+def refuse(key: str, value: Any, why: str) -> UsageError:
+    """The one-line error for a ``config.json`` setting distlm cannot represent."""
+    return UsageError(f"config.json {key}={value!r}: {why}")
+
+
+def setting(hf_config: dict[str, Any], defaults: dict[str, Any], key: str) -> Any:
+    """``hf_config[key]``, or transformers' default when the file omits it (as transformers
+    reads the same file). A key with neither is refused by name."""
+    if key in hf_config:
+        return hf_config[key]
+    if key in defaults:
+        return defaults[key]
+    raise UsageError(f"config.json lacks {key}; it is not a complete Hugging Face config")
+
+
+def check_architectures(hf_config: dict[str, Any], expected: str) -> None:
+    """Refuse a head other than the one distlm's model has (e.g. a sequence classifier)."""
+    architectures = hf_config.get("architectures")
+    if architectures is not None and list(architectures) != [expected]:
+        raise refuse(
+            "architectures", architectures,
+            f"distlm converts {expected} only for model_type {hf_config.get('model_type')}",
+        )
+
+
+def require(hf_config: dict[str, Any], defaults: dict[str, Any], key: str, allowed: tuple[Any, ...], why: str) -> None:
+    """Refuse ``key`` unless its value (or transformers' default) is one of ``allowed``."""
+    value = setting(hf_config, defaults, key)
+    if value not in allowed:
+        raise refuse(key, value, why)
