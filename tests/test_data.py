@@ -28,6 +28,7 @@ from distlm.data import (
     write_indexed_dataset,
 )
 from distlm.data import corpus
+from distlm.data.tokenizer import write_hf_tokenizer
 from distlm.errors import UsageError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -233,6 +234,53 @@ def test_byte_tokenizer_needs_byte_symbols(tmp_path):
         ByteTokenizer(Dictionary.load(tmp_path / "dict.txt"))
 
 
+def pipeline_document(tmp_path: Path, text: str, task: str) -> tuple[list[int], Dictionary]:
+    """The ids distlm trains on for ``text`` as one document, read back from a collated batch."""
+    directory = tmp_path / task
+    directory.mkdir()
+    dictionary = byte_dictionary()
+    dictionary.save(directory / "dict.txt")
+    write_indexed_dataset(directory / "train", [ByteTokenizer(dictionary).encode(text) + [dictionary.eos()]])
+    data = load_lm_data(directory, "train", task, tokens_per_sample=512, sample_break_mode="eos")
+    batch = data.collate([(0, 0)])
+    inputs, targets = batch["input_ids"][0], batch["targets"][0]
+    if task == "masked_lm":  # the original sample: targets where chosen, inputs elsewhere
+        return torch.where(targets != IGNORE_INDEX, targets, inputs).tolist(), data.dictionary
+    return inputs.tolist() + targets[-1:].tolist(), data.dictionary
+
+
+@pytest.mark.parametrize("task", ["masked_lm", "causal_lm"])
+def test_byte_tokenizer_exports_as_a_hugging_face_tokenizer(tmp_path, task):
+    transformers = pytest.importorskip("transformers")
+    texts = [
+        "Plain ASCII, with punctuation: (a, b) -> c.",
+        "naïve café — 東京 🐍 \x00",
+        "first paragraph\n\n\nafter blank lines\n\t tab",
+        "typed specials stay text: <s> </s> <mask> <pad>",
+    ]
+    dictionary = pipeline_document(tmp_path, "x", task)[1]
+    write_hf_tokenizer(dictionary, tmp_path / "hf", task)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert len(tokenizer) == len(dictionary)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (dictionary.pad(), dictionary.eos())
+    if task == "masked_lm":
+        assert tokenizer.mask_token_id == dictionary.mask()
+    for number, text in enumerate(texts):
+        case_dir = tmp_path / f"text{number}"
+        case_dir.mkdir()
+        expected, _ = pipeline_document(case_dir, text, task)
+        ids = tokenizer(text)["input_ids"]
+        assert ids == expected, text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+        assert tokenizer(text, add_special_tokens=False)["input_ids"] == ByteTokenizer(dictionary).encode(text)
+
+
+def test_only_byte_dictionaries_export_as_a_tokenizer(tmp_path):
+    (tmp_path / "dict.txt").write_text("the 3\nof 2\n")
+    with pytest.raises(UsageError, match="byte"):
+        write_hf_tokenizer(Dictionary.load(tmp_path / "dict.txt"), tmp_path / "hf", "causal_lm")
+
+
 # ------------------------------------------------------------------------- blocks
 
 
@@ -311,9 +359,9 @@ def masked_dictionary() -> Dictionary:
     return dictionary
 
 
-def test_masking_statistics():
+def test_masking_statistics_when_special_tokens_are_never_masked():
     dictionary = masked_dictionary()
-    masker = DynamicMasker(dictionary, seed=3, mask_prob=0.15)
+    masker = DynamicMasker(dictionary, seed=3, mask_prob=0.15, mask_special_tokens=False)
     rng = np.random.default_rng(0)
     specials = np.array([dictionary.index(symbol) for symbol in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")])
     candidates = chosen = masked = randomized = kept = 0
@@ -346,6 +394,90 @@ def test_masking_statistics():
     assert within(masked, 0.8, chosen)
     assert within(randomized, 0.1 * (1 - 1 / 256), chosen)
     assert within(kept, 0.1 + 0.1 / 256, chosen)
+
+
+# A block as fairseq's masked_lm builds it: <s>, then documents that each end in </s>
+# (one of them holding an <unk>). 129 positions: 0.15 x 129 = 19.35 targets on average.
+FIXED_BLOCK = np.concatenate([[0], np.arange(4, 60), [2], np.arange(100, 160), [2], np.arange(200, 208), [3], [2]])
+DRAWS = 6000
+
+
+def masking_draws(masker: DynamicMasker, tokens: np.ndarray = FIXED_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and targets of ``DRAWS`` samples holding the same block (one row per sample index)."""
+    pairs = [masker(tokens, epoch=0, index=index) for index in range(DRAWS)]
+    return np.stack([inputs for inputs, _ in pairs]), np.stack([targets for _, targets in pairs])
+
+
+def within(observed: float, p: float, n: int) -> bool:
+    """Whether a frequency over n independent trials of probability p lies within 5 binomial
+    standard deviations sqrt(p (1 - p) / n) of p. A correct rule fails one such check with
+    probability below 6e-7; the wrong rules the checks below tell apart (plain rounding,
+    never choosing <s>/</s>, <mask> outside the replacement pool) miss by 20 deviations or
+    more at these numbers of draws."""
+    return abs(observed - p) <= 5 * np.sqrt(p * (1 - p) / n)
+
+
+def test_fairseq_masking_chooses_every_position_with_probabilistic_rounding():
+    dictionary = masked_dictionary()
+    inputs, targets = masking_draws(DynamicMasker(dictionary, seed=3))
+    predicted = targets != IGNORE_INDEX
+    original = np.broadcast_to(FIXED_BLOCK, inputs.shape)
+
+    # int(0.15 x 129 + u) with u uniform: 19 or 20 targets, 20 with probability 0.35.
+    counts = predicted.sum(axis=1)
+    assert set(counts.tolist()) <= {19, 20}
+    assert within((counts == 20).mean(), 0.15 * len(FIXED_BLOCK) % 1, DRAWS)
+    # Every position is chosen at the same rate, <s>, </s> and <unk> included.
+    for position, rate in enumerate(predicted.mean(axis=0)):
+        assert within(rate, 0.15, DRAWS), (position, FIXED_BLOCK[position], rate)
+    # Targets are the original tokens; nothing else changes.
+    assert (targets[predicted] == original[predicted]).all()
+    assert (inputs[~predicted] == original[~predicted]).all()
+
+
+def test_fairseq_masking_masks_a_pad_inside_the_data_but_never_predicts_it():
+    dictionary = masked_dictionary()
+    block = FIXED_BLOCK.copy()
+    block[70] = dictionary.pad()
+    inputs, targets = masking_draws(DynamicMasker(dictionary, seed=4), block)
+    assert (targets[:, 70] == IGNORE_INDEX).all()  # fairseq's criterion ignores pad targets
+    assert within((inputs[:, 70] == dictionary.mask()).mean(), 0.15 * (0.8 + 0.1 / 257), DRAWS)
+
+
+def test_fairseq_masking_splits_80_10_10_and_draws_from_all_but_four_specials():
+    dictionary = masked_dictionary()
+    pool_size = len(dictionary) - 4  # fairseq zeroes the weights of the first nspecial = 4; <mask> stays in
+    inputs, targets = masking_draws(DynamicMasker(dictionary, seed=5))
+    original = np.broadcast_to(FIXED_BLOCK, inputs.shape)
+    predicted = targets != IGNORE_INDEX
+    ordinary = predicted & (original >= 4)  # a random draw can give such a token back...
+    special = predicted & (original < 4)  # ...but never one of these
+    for chosen, in_pool in ((ordinary, 1), (special, 0)):
+        n = int(chosen.sum())
+        picked = inputs[chosen]
+        kept = picked == original[chosen]
+        assert within((picked == dictionary.mask()).mean(), 0.8 + 0.1 / pool_size, n)
+        assert within(kept.mean(), 0.1 + 0.1 * in_pool / pool_size, n)
+        assert within(((picked != dictionary.mask()) & ~kept).mean(), 0.1 * (1 - (1 + in_pool) / pool_size), n)
+
+    # Random replacements only: every token but <s>, <pad>, </s>, <unk> is drawn, <mask> included.
+    inputs, targets = masking_draws(DynamicMasker(dictionary, seed=6, random_token_prob=1.0, leave_unmasked_prob=0.0))
+    drawn = inputs[targets != IGNORE_INDEX]
+    assert set(drawn.tolist()) == set(range(4, len(dictionary)))
+    assert within((drawn == dictionary.mask()).mean(), 1 / pool_size, len(drawn))
+
+
+def test_masking_option_never_chooses_special_tokens():
+    dictionary = masked_dictionary()
+    inputs, targets = masking_draws(DynamicMasker(dictionary, seed=3, mask_special_tokens=False))
+    special = np.isin(FIXED_BLOCK, dictionary.special_indices())
+    assert (targets[:, special] == IGNORE_INDEX).all() and (inputs[:, special] == FIXED_BLOCK[special]).all()
+    # Rounding as fairseq's, over the 124 ordinary positions: 18.6 -> 18 or 19.
+    counts = (targets != IGNORE_INDEX).sum(axis=1)
+    assert set(counts.tolist()) <= {18, 19}
+    assert within((counts == 19).mean(), 0.15 * (~special).sum() % 1, DRAWS)
+    changed = inputs[(inputs != FIXED_BLOCK) & (inputs != dictionary.mask())]
+    assert len(changed) > 0 and not np.isin(changed, dictionary.special_indices()).any()
 
 
 def test_masking_depends_only_on_seed_epoch_and_index():
@@ -498,6 +630,29 @@ def test_masks_do_not_depend_on_batch_or_world_size(data_dir):
                         assert torch.equal(batch["input_ids"][row, :width], alone[pair][0])
                         assert torch.equal(batch["targets"][row, :width], alone[pair][1])
     assert len({epoch for epoch, _ in alone}) == 2
+
+
+def test_validation_masks_do_not_change_with_the_epoch(data_dir):
+    def masks(split, epoch, **options):
+        data = load_lm_data(data_dir, split, "masked_lm", tokens_per_sample=24, seed=11, **options)
+        batch = data.collate([(epoch, index) for index in range(8)])
+        return torch.cat([batch["input_ids"], batch["targets"]])
+
+    assert torch.equal(masks("valid", 0), masks("valid", 1))
+    assert torch.equal(masks("valid", 0), masks("valid", 7))
+    assert not torch.equal(masks("train", 0), masks("train", 1))
+    # The default follows the split; fixed_masks says it explicitly.
+    assert torch.equal(masks("train", 0, fixed_masks=True), masks("train", 5, fixed_masks=True))
+    assert not torch.equal(masks("valid", 0, fixed_masks=False), masks("valid", 1, fixed_masks=False))
+
+
+def test_load_lm_data_masks_special_tokens_unless_told_not_to(data_dir):
+    pairs = [(0, index) for index in range(40)]
+    default = load_lm_data(data_dir, "train", "masked_lm", tokens_per_sample=24, seed=2).collate(pairs)
+    assert (default["targets"][:, 0] == 0).any()  # <s> is a target in some of the 40 samples
+    option = load_lm_data(data_dir, "train", "masked_lm", tokens_per_sample=24, seed=2, mask_special_tokens=False)
+    targets = option.collate(pairs)["targets"]
+    assert not np.isin(targets.numpy(), option.dictionary.special_indices()).any()
 
 
 def test_resumed_dictionary_must_match(data_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
+from distlm.data.indexed_dataset import MMapIndexedDataset, smallest_token_dtype, write_indexed_dataset
 from distlm.errors import UsageError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -140,6 +140,29 @@ def test_library_writer_is_byte_identical_to_reference(tmp_path, type_char):
     write_indexed_dataset(tmp_path / "lib", sequences, np.dtype(type_char))
     for suffix in (".idx", ".bin"):
         assert (tmp_path / f"lib{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+
+
+@pytest.mark.parametrize("type_char", ["u1", "u2", "i4", "i8"])
+def test_library_writer_megatron_flavour_is_byte_identical_to_reference(tmp_path, type_char):
+    code = {"u1": 1, "u2": 8, "i4": 4, "i8": 5}[type_char]
+    sequences = sample_sequences(4)
+    write_reference(tmp_path / "ref", sequences, code, type_char, megatron=True)
+    write_indexed_dataset(tmp_path / "lib", sequences, np.dtype(type_char), flavour="megatron")
+    for suffix in (".idx", ".bin"):
+        assert (tmp_path / f"lib{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+    dataset = MMapIndexedDataset(tmp_path / "lib")
+    assert dataset.flavour == "megatron" and [dataset[i].tolist() for i in range(len(dataset))] == sequences
+
+
+def test_megatron_flavour_refuses_dtypes_megatron_cannot_read(tmp_path):
+    with pytest.raises(UsageError, match="megatron"):
+        write_indexed_dataset(tmp_path / "x", [[1, 2]], np.uint32, flavour="megatron")
+
+
+def test_smallest_token_dtype_holds_every_id():
+    assert [smallest_token_dtype(n) for n in (2, 256, 257, 65536, 65537, 128_256)] == [
+        np.uint8, np.uint8, np.uint16, np.uint16, np.int32, np.int32
+    ]
 
 
 def test_writer_rejects_ids_that_do_not_fit(tmp_path):

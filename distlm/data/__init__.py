@@ -1,28 +1,35 @@
-"""Data: byte tokenizer, built-in corpus, fairseq/Megatron indexed datasets, masking, sampling.
+"""Data: byte and Hugging Face tokenizers, built-in corpus, fairseq/Megatron indexed datasets, masking, sampling.
 
 The built-in corpus lives in ``distlm.data.corpus`` and is not imported here, so that
-``python -m distlm.data.corpus`` runs it without runpy's double-import warning.
+``python -m distlm.data.corpus`` runs it without runpy's double-import warning; so does
+``distlm.data.prepare`` (``python -m distlm.data.prepare``: text to training data).
 """
 
 from distlm.data.blocks import TokenBlockDataset, compute_block_boundaries
-from distlm.data.dictionary import Dictionary
+from distlm.data.dictionary import Dictionary, Vocabulary
+from distlm.data.hf_tokenizer import HFVocabulary, save_tokenizer
 from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
-from distlm.data.lm_dataset import LMData, load_lm_data
+from distlm.data.lm_dataset import LMData, load_lm_data, load_vocabulary
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
 from distlm.data.sampler import GlobalBatchSampler
-from distlm.data.tokenizer import ByteTokenizer, byte_dictionary
+from distlm.data.tokenizer import ByteTokenizer, byte_dictionary, write_hf_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "Dictionary",
     "DynamicMasker",
     "GlobalBatchSampler",
+    "HFVocabulary",
     "IGNORE_INDEX",
     "LMData",
     "MMapIndexedDataset",
     "TokenBlockDataset",
+    "Vocabulary",
     "byte_dictionary",
     "compute_block_boundaries",
     "load_lm_data",
+    "load_vocabulary",
+    "save_tokenizer",
+    "write_hf_tokenizer",
     "write_indexed_dataset",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 from distlm.errors import UsageError
 
@@ -24,6 +25,31 @@ SPECIAL_SYMBOLS = (BOS_SYMBOL, PAD_SYMBOL, EOS_SYMBOL, UNK_SYMBOL)
 # fairseq writes this flag after the count when a line deliberately redefines a symbol
 # that is already present (for example, a special symbol repeated in dict.txt).
 _OVERWRITE_FLAG = "#fairseq:overwrite"
+
+
+class Vocabulary(Protocol):
+    """What the data pipeline, the models and checkpoints use of a vocabulary.
+
+    :class:`Dictionary` (fairseq's ``dict.txt``) and ``HFVocabulary`` (a Hugging Face
+    tokenizer) both provide it. ``symbols`` lists the token of every id; checkpoints
+    store it to refuse resuming on other data.
+    """
+
+    symbols: list[str]
+
+    def __len__(self) -> int: ...
+
+    def bos(self) -> int: ...
+
+    def pad(self) -> int: ...
+
+    def eos(self) -> int: ...
+
+    def unk(self) -> int: ...
+
+    def mask(self) -> int: ...
+
+    def special_indices(self) -> list[int]: ...
 
 
 class Dictionary:

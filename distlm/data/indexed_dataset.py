@@ -55,13 +55,30 @@ MEGATRON_DTYPES: dict[int, type[np.generic]] = {
 
 def fairseq_dtype_code(dtype: np.dtype | type) -> int:
     """fairseq's code for ``dtype`` (float64 is written as 6, its first code)."""
+    return _dtype_code(dtype, FAIRSEQ)
+
+
+def megatron_dtype_code(dtype: np.dtype | type) -> int:
+    """Megatron's code for ``dtype``."""
+    return _dtype_code(dtype, MEGATRON)
+
+
+def _dtype_code(dtype: np.dtype | type, flavour: str) -> int:
     dtype = np.dtype(dtype)
-    for code, candidate in FAIRSEQ_DTYPES.items():
+    codes = FAIRSEQ_DTYPES if flavour == FAIRSEQ else MEGATRON_DTYPES
+    for code, candidate in codes.items():
         if np.dtype(candidate) == dtype:
             return code
-    raise UsageError(
-        f"dtype {dtype} cannot be stored in a fairseq index; use one of uint8/16/32/64, int8/16/32/64, float64"
-    )
+    names = ", ".join(sorted({np.dtype(candidate).name for candidate in codes.values()}))
+    raise UsageError(f"dtype {dtype} cannot be stored in a {flavour} index; use one of {names}")
+
+
+def smallest_token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype both index flavours can store that holds ids ``0 .. vocab_size - 1``."""
+    for dtype in (np.uint8, np.uint16, np.int32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
 
 
 def index_path(prefix: str | os.PathLike) -> Path:
@@ -185,34 +202,80 @@ class MMapIndexedDataset:
         return int(self.sizes.sum(dtype=np.int64))
 
 
+class IndexedDatasetBuilder:
+    """Writes ``{prefix}.bin`` as sequences arrive, and ``{prefix}.idx`` on :meth:`finish`.
+
+    ``flavour="megatron"`` adds Megatron's document index, with one document per
+    sequence (``doc_idx = 0, 1, ..., N``, as Megatron's builder writes it).
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16, flavour: str = FAIRSEQ) -> None:
+        if flavour not in (FAIRSEQ, MEGATRON):
+            raise UsageError(f"index flavour {flavour!r} is not one of {FAIRSEQ}, {MEGATRON}")
+        self.prefix = os.fspath(prefix)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.flavour = flavour
+        self._code = _dtype_code(self.dtype, flavour)
+        self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self._sizes: list[int] = []
+        self._data_file = open(data_path(prefix), "wb")
+
+    def add(self, sequence: Iterable[int] | np.ndarray) -> None:
+        """Append one sequence (one document)."""
+        values = np.asarray(sequence)
+        number = len(self._sizes)
+        if values.ndim != 1:
+            raise UsageError(f"write_indexed_dataset {self.prefix}: sequence {number} must be one-dimensional")
+        limits = self._limits
+        if limits is not None and values.size and (values.min() < limits.min or values.max() > limits.max):
+            raise UsageError(
+                f"write_indexed_dataset {self.prefix}: sequence {number} has ids outside {self.dtype}'s range; "
+                f"pass a wider dtype"
+            )
+        self._data_file.write(values.astype(self.dtype).tobytes())
+        self._sizes.append(values.size)
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self._sizes)
+
+    def finish(self) -> None:
+        """Close the ``.bin`` and write the ``.idx``."""
+        self._data_file.close()
+        count = len(self._sizes)
+        size_array = np.asarray(self._sizes, dtype="<i4")
+        pointers = np.zeros(count, dtype="<i8")
+        if count > 1:
+            np.cumsum(size_array[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(index_path(self.prefix), "wb") as index_file:
+            index_file.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, self._code, count))
+            if self.flavour == MEGATRON:
+                index_file.write(_DOC_COUNT.pack(count + 1))
+            index_file.write(size_array.tobytes())
+            index_file.write(pointers.tobytes())
+            if self.flavour == MEGATRON:
+                index_file.write(np.arange(count + 1, dtype="<i8").tobytes())
+
+    def close(self) -> None:
+        """Stop without writing an index (after an error)."""
+        self._data_file.close()
+
+
 def write_indexed_dataset(
     prefix: str | os.PathLike,
     sequences: Iterable[Iterable[int]],
     dtype: np.dtype | type = np.uint16,
+    flavour: str = FAIRSEQ,
 ) -> None:
-    """Write ``{prefix}.bin`` and ``{prefix}.idx`` in fairseq's layout (no document index)."""
-    dtype = np.dtype(dtype).newbyteorder("<")
-    code = fairseq_dtype_code(dtype)
-    limits = np.iinfo(dtype) if dtype.kind in "iu" else None
-    sizes: list[int] = []
-    with open(data_path(prefix), "wb") as data_file:
-        for number, sequence in enumerate(sequences):
-            values = np.asarray(sequence)
-            if values.ndim != 1:
-                raise UsageError(f"write_indexed_dataset {prefix}: sequence {number} must be one-dimensional")
-            if limits is not None and values.size and (values.min() < limits.min or values.max() > limits.max):
-                raise UsageError(
-                    f"write_indexed_dataset {prefix}: sequence {number} has ids outside {dtype}'s range; "
-                    f"pass a wider dtype"
-                )
-            data_file.write(values.astype(dtype).tobytes())
-            sizes.append(values.size)
-
-    size_array = np.asarray(sizes, dtype="<i4")
-    pointers = np.zeros(len(sizes), dtype="<i8")
-    if len(sizes) > 1:
-        np.cumsum(size_array[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
-    with open(index_path(prefix), "wb") as index_file:
-        index_file.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, code, len(sizes)))
-        index_file.write(size_array.tobytes())
-        index_file.write(pointers.tobytes())
+    """Write ``{prefix}.bin`` and ``{prefix}.idx`` in fairseq's layout, or Megatron's with ``flavour="megatron"``."""
+    builder = IndexedDatasetBuilder(prefix, dtype, flavour)
+    try:
+        for sequence in sequences:
+            builder.add(sequence)
+    except BaseException:
+        builder.close()
+        raise
+    builder.finish()

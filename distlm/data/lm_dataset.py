@@ -1,9 +1,16 @@
-"""Language-model samples from a ``fairseq-preprocess`` directory (or the built-in corpus).
+"""Language-model samples from a data directory (or the built-in corpus).
+
+A data directory is either ``fairseq-preprocess`` output (``dict.txt``) or
+``python -m distlm.data.prepare`` output (a Hugging Face ``tokenizer.json`` and no
+``dict.txt``), with ``train.bin/.idx`` and ``valid.bin/.idx`` in fairseq's or Megatron's
+layout.
 
 ``load_lm_data`` opens one split and cuts it into blocks. ``collate`` turns a list of
 ``(epoch, sample_index)`` pairs, as produced by :class:`GlobalBatchSampler`, into padded
 tensors. Masking is drawn per sample from ``(seed, epoch, index)`` only, so a sample's
-tensors do not depend on the batch or rank that holds it.
+tensors do not depend on the batch or rank that holds it. Every split but ``train`` has
+fixed masks, drawn as for epoch 0 whatever epoch is asked for (fairseq always validates
+with epoch 1), so validation losses compare across epochs and runs.
 """
 
 from __future__ import annotations
@@ -16,36 +23,51 @@ import numpy as np
 import torch
 
 from distlm.data.blocks import BREAK_MODES, TokenBlockDataset
-from distlm.data.dictionary import MASK_SYMBOL, Dictionary
+from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
+from distlm.data.hf_tokenizer import HFVocabulary, is_hf_tokenizer_dir
 from distlm.data.indexed_dataset import MMapIndexedDataset
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
 from distlm.errors import UsageError
 
 TASKS = ("masked_lm", "causal_lm")
-_EXPECTED_LAYOUT = "a fairseq-preprocess output directory (dict.txt, train.bin/.idx, valid.bin/.idx)"
+_EXPECTED_LAYOUT = (
+    "a fairseq-preprocess output directory (dict.txt, train.bin/.idx, valid.bin/.idx) "
+    "or a python -m distlm.data.prepare one (tokenizer.json, train.bin/.idx, valid.bin/.idx)"
+)
 
 
 class LMData:
-    """Samples of one split for one task; build it with :func:`load_lm_data`."""
+    """Samples of one split for one task; build it with :func:`load_lm_data`.
+
+    ``dictionary`` is the vocabulary (a :class:`Dictionary` or an :class:`HFVocabulary`);
+    ``tokenizer_dir`` is the Hugging Face tokenizer directory the data was made with, or
+    None for ``dict.txt`` data. With ``fixed_masks`` every epoch gets epoch 0's masks.
+    """
 
     def __init__(
         self,
         tokens: MMapIndexedDataset,
-        dictionary: Dictionary,
+        dictionary: Vocabulary,
         task: str,
         tokens_per_sample: int,
         sample_break_mode: str,
         seed: int,
         mask_prob: float,
+        mask_special_tokens: bool = True,
+        fixed_masks: bool = False,
     ) -> None:
         self.tokens = tokens
         self.dictionary = dictionary
         self.task = task
         self.tokens_per_sample = tokens_per_sample
+        self.fixed_masks = fixed_masks
+        self.tokenizer_dir: Path | None = dictionary.tokenizer_dir if isinstance(dictionary, HFVocabulary) else None
         if task == "masked_lm":
             # One slot is kept for the <s> that starts every sample (fairseq masked_lm).
             self.blocks = TokenBlockDataset(tokens, tokens_per_sample - 1, sample_break_mode)
-            self.masker: DynamicMasker | None = DynamicMasker(dictionary, seed, mask_prob)
+            self.masker: DynamicMasker | None = DynamicMasker(
+                dictionary, seed, mask_prob, mask_special_tokens=mask_special_tokens
+            )
         else:
             # Megatron's convention: tokens_per_sample + 1 tokens give tokens_per_sample
             # inputs, each with its next token as target. Unlike Megatron's, blocks do not
@@ -65,10 +87,12 @@ class LMData:
         if outside.any():
             raise UsageError(
                 f"data {self.tokens.prefix} holds token id {int(block[outside][0])} outside the dictionary's "
-                f"{len(self.dictionary)} symbols; dict.txt and the .bin files do not belong together"
+                f"{len(self.dictionary)} symbols; the vocabulary (dict.txt or tokenizer.json) and the .bin files "
+                f"do not belong together"
             )
         if self.masker is not None:
-            return self.masker(np.concatenate([[self.dictionary.bos()], block]), epoch, index)
+            mask_epoch = 0 if self.fixed_masks else epoch
+            return self.masker(np.concatenate([[self.dictionary.bos()], block]), mask_epoch, index)
         return block[:-1], block[1:]
 
     def collate(self, pairs: Sequence[tuple[int, int]]) -> dict[str, torch.Tensor]:
@@ -98,12 +122,25 @@ def load_lm_data(
     sample_break_mode: str = "complete",
     seed: int = 1,
     mask_prob: float = 0.15,
-    dictionary: Dictionary | None = None,
+    dictionary: Vocabulary | None = None,
+    *,
+    symbols: Sequence[str] | None = None,
+    mask_special_tokens: bool = True,
+    fixed_masks: bool | None = None,
 ) -> LMData:
-    """Open ``split`` of a fairseq-preprocess directory (``path=None``: the built-in corpus).
+    """Open ``split`` of a data directory (``path=None``: the built-in corpus).
 
-    ``dictionary`` (e.g. rebuilt from a checkpoint) replaces the directory's own, and
-    must agree with it symbol for symbol.
+    The vocabulary is the directory's ``dict.txt`` (plus ``<mask>`` for masked_lm) or,
+    without one, its Hugging Face tokenizer (see :func:`load_vocabulary`).
+
+    ``dictionary`` (e.g. rebuilt from a checkpoint) must agree with the directory's
+    vocabulary symbol for symbol, and then replaces a ``dict.txt`` one; ``symbols`` (the
+    list a checkpoint stores) is only checked. A tokenizer's vocabulary is always the one
+    read from its files, since a symbol list cannot say which ids are special.
+
+    ``mask_special_tokens`` picks fairseq's masking rule (True) or never masking special
+    tokens (see :class:`DynamicMasker`). ``fixed_masks`` makes the masks independent of
+    the epoch; by default (None) every split but ``train`` has fixed masks.
     """
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
@@ -115,44 +152,78 @@ def load_lm_data(
     if seed < 0:
         raise UsageError(f"seed {seed} must be a non-negative integer")
 
+    directory = data_directory(path)
+    data_vocabulary = load_vocabulary(directory, task)
+    if not (directory / f"{split}.idx").is_file():
+        raise UsageError(
+            f"data path {directory} has no {split}.idx/.bin for split {split!r}; expected {_EXPECTED_LAYOUT}"
+        )
+    source = directory / "dict.txt" if isinstance(data_vocabulary, Dictionary) else directory / "tokenizer.json"
+    for given in (dictionary, symbols):
+        if given is not None:
+            _check_same_symbols(list(getattr(given, "symbols", given)), data_vocabulary.symbols, source, task)
+    if dictionary is not None and isinstance(data_vocabulary, Dictionary):
+        data_vocabulary = dictionary
+
+    tokens = MMapIndexedDataset(directory / split)
+    data = LMData(
+        tokens,
+        data_vocabulary,
+        task,
+        tokens_per_sample,
+        sample_break_mode,
+        seed,
+        mask_prob,
+        mask_special_tokens=mask_special_tokens,
+        fixed_masks=split != "train" if fixed_masks is None else fixed_masks,
+    )
+    if len(data) == 0:
+        raise UsageError(f"split {split!r} of data path {directory} holds no {task} samples; it is empty")
+    return data
+
+
+def data_directory(path: str | os.PathLike | None) -> Path:
+    """The data directory for ``path`` (``None``: the built-in corpus, built on first use)."""
     if path is None:
         # Imported here so that `python -m distlm.data.corpus` does not find its own module
         # already imported through the package (runpy warns about that).
         from distlm.data.corpus import ensure_builtin_corpus
 
-        directory = ensure_builtin_corpus()
-    else:
-        directory = Path(path)
+        return ensure_builtin_corpus()
+    directory = Path(path)
     if not directory.is_dir():
         raise UsageError(f"data path {directory} is not a directory; expected {_EXPECTED_LAYOUT}")
+    return directory
+
+
+def load_vocabulary(path: str | os.PathLike | None, task: str) -> Vocabulary:
+    """The vocabulary a model trains with on the data directory ``path`` for ``task``.
+
+    ``dict.txt`` when the directory has one (with ``<mask>`` appended for masked_lm, as
+    fairseq does), else its Hugging Face ``tokenizer.json`` as an :class:`HFVocabulary`
+    (which checks that the tokenizer has the tokens ``task`` needs).
+    """
+    directory = data_directory(path)
     dict_path = directory / "dict.txt"
-    if not dict_path.is_file():
-        raise UsageError(f"data path {directory} has no dict.txt; expected {_EXPECTED_LAYOUT}")
-    if not (directory / f"{split}.idx").is_file():
+    if dict_path.is_file():
+        vocabulary = Dictionary.load(dict_path)
+        if task == "masked_lm":
+            vocabulary.add_symbol(MASK_SYMBOL)
+        return vocabulary
+    if is_hf_tokenizer_dir(directory):
+        return HFVocabulary.load(directory, task)
+    raise UsageError(f"data path {directory} has neither dict.txt nor tokenizer.json; expected {_EXPECTED_LAYOUT}")
+
+
+def _check_same_symbols(given: list[str], expected: list[str], source: Path, task: str) -> None:
+    if len(given) != len(expected):
         raise UsageError(
-            f"data path {directory} has no {split}.idx/.bin for split {split!r}; expected {_EXPECTED_LAYOUT}"
+            f"the given dictionary has {len(given)} symbols but {source} gives {len(expected)} "
+            f"for {task}; resume with the data the checkpoint was trained on"
         )
-
-    data_dictionary = Dictionary.load(dict_path)
-    if task == "masked_lm":
-        data_dictionary.add_symbol(MASK_SYMBOL)
-    if dictionary is not None:
-        if len(dictionary) != len(data_dictionary):
-            raise UsageError(
-                f"the given dictionary has {len(dictionary)} symbols but {dict_path} gives {len(data_dictionary)} "
-                f"for {task}; resume with the data the checkpoint was trained on"
-            )
-        if dictionary.symbols != data_dictionary.symbols:
-            first = next(i for i, (a, b) in enumerate(zip(dictionary.symbols, data_dictionary.symbols)) if a != b)
-            raise UsageError(
-                f"the given dictionary differs from {dict_path} at index {first} "
-                f"({dictionary.symbols[first]!r} vs {data_dictionary.symbols[first]!r}); "
-                f"resume with the data the checkpoint was trained on"
-            )
-        data_dictionary = dictionary
-
-    tokens = MMapIndexedDataset(directory / split)
-    data = LMData(tokens, data_dictionary, task, tokens_per_sample, sample_break_mode, seed, mask_prob)
-    if len(data) == 0:
-        raise UsageError(f"split {split!r} of data path {directory} holds no {task} samples; it is empty")
-    return data
+    if given != expected:
+        first = next(i for i, (a, b) in enumerate(zip(given, expected)) if a != b)
+        raise UsageError(
+            f"the given dictionary differs from {source} at index {first} "
+            f"({given[first]!r} vs {expected[first]!r}); resume with the data the checkpoint was trained on"
+        )

@@ -3,15 +3,29 @@
 The 256 byte symbols are spelled ``<0x00>`` ... ``<0xFF>`` in ``dict.txt`` (the spelling
 sentencepiece uses for byte fallback). That makes the tokenizer a pure function of the
 dictionary, and the dictionary's symbol list is what checkpoints store.
+
+:func:`write_hf_tokenizer` writes the same tokenizer as Hugging Face files, so a model
+trained on the built-in corpus can be used with ``transformers.AutoTokenizer``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from distlm.data.dictionary import Dictionary
+from distlm.data.dictionary import (
+    BOS_SYMBOL,
+    EOS_SYMBOL,
+    MASK_SYMBOL,
+    PAD_SYMBOL,
+    SPECIAL_SYMBOLS,
+    UNK_SYMBOL,
+    Dictionary,
+)
 from distlm.errors import UsageError
 
 NUM_BYTES = 256
@@ -64,3 +78,77 @@ class ByteTokenizer:
         in_range = (ids >= 0) & (ids < len(self._byte_of_index))
         values = self._byte_of_index[ids[in_range]]
         return values[values >= 0].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def write_hf_tokenizer(dictionary: Dictionary, out_dir: str | os.PathLike, task: str) -> list[Path]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
+    for the byte-level ``dictionary``, and return their paths.
+
+    ``transformers.AutoTokenizer.from_pretrained(out_dir)`` then encodes a text to the ids
+    distlm trains on for one document: for ``masked_lm`` ``<s> bytes </s>`` (a sample is
+    ``<s>`` before a block of documents that each end in ``</s>``), for ``causal_lm``
+    ``bytes </s>`` (documents end in ``</s>`` and nothing is prepended); pass
+    ``add_special_tokens=False`` for the bytes alone, e.g. for a generation prompt.
+    ``decode(ids, skip_special_tokens=True)`` gives the text back.
+
+    The bytes are a BPE model with no merges whose only tokens are ``<0x00>`` ... ``<0xFF>``:
+    byte fallback then spells every character as its UTF-8 bytes, at the dictionary's ids.
+    Special tokens typed in the text are encoded as bytes, as distlm does
+    (``split_special_tokens``).
+    """
+    from distlm.data.lm_dataset import TASKS
+
+    if task not in TASKS:
+        raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    ByteTokenizer(dictionary)  # checks that every byte has a symbol
+    allowed = {*SPECIAL_SYMBOLS, MASK_SYMBOL, *(byte_symbol(value) for value in range(NUM_BYTES))}
+    others = [symbol for symbol in dictionary.symbols if symbol not in allowed]
+    if others:
+        raise UsageError(
+            f"the dictionary holds {len(others)} symbols that are not bytes (e.g. {others[0]!r}); only a byte-level "
+            f"dictionary can be written as a Hugging Face tokenizer, copy the tokenizer your data was made with"
+        )
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    except ImportError:
+        raise UsageError(
+            "writing Hugging Face tokenizer files needs the tokenizers package; pip install tokenizers"
+        ) from None
+
+    ids = {symbol: index for index, symbol in enumerate(dictionary.symbols)}
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token=UNK_SYMBOL, byte_fallback=True))
+    specials = [symbol for symbol in (*SPECIAL_SYMBOLS, MASK_SYMBOL) if symbol in ids]
+    tokenizer.add_special_tokens([AddedToken(symbol, special=True, normalized=False) for symbol in specials])
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    bos, eos = BOS_SYMBOL, EOS_SYMBOL
+    if task == "masked_lm":
+        single, pair, template_tokens = f"{bos} $A {eos}", f"{bos} $A {eos} {eos} $B {eos}", [bos, eos]
+    else:
+        single, pair, template_tokens = f"$A {eos}", f"$A {eos} $B {eos}", [eos]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(symbol, ids[symbol]) for symbol in template_tokens]
+    )
+
+    special_tokens_map = {"bos_token": bos, "eos_token": eos, "pad_token": PAD_SYMBOL, "unk_token": UNK_SYMBOL}
+    if MASK_SYMBOL in ids:
+        special_tokens_map["mask_token"] = MASK_SYMBOL
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_tokens_map,
+        # A "<s>" typed in a document is text: distlm encodes its bytes.
+        "split_special_tokens": True,
+        # The default clean-up would change decoded text (" ." -> ".").
+        "clean_up_tokenization_spaces": False,
+    }
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} is a file; name a directory to write the tokenizer files into")
+    paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(paths[0]))
+        paths[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        paths[2].write_text(json.dumps(special_tokens_map, indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write the tokenizer files into {out} ({err.strerror})") from None
+    return paths

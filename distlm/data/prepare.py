@@ -1,0 +1,262 @@
+"""``python -m distlm.data.prepare --tokenizer HF_DIR --input FILE ... --out DIR``: text to training data.
+
+Tokenizes documents with a Hugging Face tokenizer (``HF_DIR/tokenizer.json``, read offline
+by the ``tokenizers`` library) and writes a directory that ``--data DIR`` trains on:
+``train.bin/.idx`` and ``valid.bin/.idx`` in Megatron's indexed layout (one sequence per
+document), plus a copy of the tokenizer's files, which give the vocabulary.
+
+Input files are plain text, one document per paragraph (paragraphs are separated by
+blank lines), or JSON lines with the document's text under ``--json-key`` (files named
+``*.jsonl``/``*.json``, or every file when ``--json-key`` is given). Each document is
+encoded without the tokenizer's own special tokens, and the tokenizer's end-of-document
+token (its eos) is appended, as ``fairseq-preprocess`` and Megatron's ``--append-eod`` do;
+the training pipeline adds ``<s>`` for masked LMs. A special token's spelling inside a
+document (say ``</s>``) is encoded as text. Empty documents are skipped.
+
+``round(valid_fraction x documents)`` documents (at least one), chosen from ``--seed``
+alone, become the validation split; ``--valid-fraction 0`` writes no validation split.
+The rest keep their input order in the training split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from distlm.config import OneLineErrorParser
+from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, load_tokenizer
+from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
+from distlm.errors import UsageError
+
+SPLITS = ("train", "valid")
+JSON_SUFFIXES = (".jsonl", ".json")
+DEFAULT_JSON_KEY = "text"
+# Documents per encode_batch call: large enough for the tokenizer's threads to share,
+# small enough to keep memory flat.
+ENCODE_BATCH = 1024
+
+
+def iter_documents(path: Path, json_key: str | None) -> Iterator[str]:
+    """The documents of one input file, in order (``json_key`` None: plain text)."""
+    try:
+        handle = open(path, encoding="utf-8-sig")
+    except IsADirectoryError:
+        raise UsageError(f"--input {path} is a directory; name the text or JSON-lines files") from None
+    except OSError as err:
+        raise UsageError(f"--input {path} cannot be read ({err.strerror})") from None
+    with handle:
+        try:
+            if json_key is None:
+                yield from _paragraphs(handle)
+            else:
+                for line_number, line in enumerate(handle, start=1):
+                    if line.strip():
+                        yield _json_text(line, json_key, path, line_number)
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--input {path} is not UTF-8 text ({err.reason}); convert it to UTF-8") from None
+
+
+def _paragraphs(lines: Iterator[str]) -> Iterator[str]:
+    """Runs of non-blank lines, without their final newline."""
+    paragraph: list[str] = []
+    for line in lines:
+        if line.strip():
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).removesuffix("\n")
+            paragraph = []
+    if paragraph:
+        yield "".join(paragraph).removesuffix("\n")
+
+
+def _json_text(line: str, key: str, path: Path, line_number: int) -> str:
+    where = f"--input {path} line {line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UsageError(
+            f"{where} is not valid JSON ({err.msg} at column {err.colno}); JSON lines hold one object per line"
+        ) from None
+    if not isinstance(record, dict):
+        raise UsageError(f"{where} is a JSON {type(record).__name__}, not an object with a {key!r} key")
+    if key not in record:
+        keys = ", ".join(map(repr, list(record)[:8])) or "none"
+        raise UsageError(f"{where} has no key {key!r} (its keys: {keys}); pass --json-key with the text's key")
+    text = record[key]
+    if not isinstance(text, str):
+        raise UsageError(f"{where}: {key!r} holds a JSON {type(text).__name__}, not a string")
+    return text
+
+
+def input_format(path: Path, json_key: str | None) -> str | None:
+    """The JSON key to read ``path`` with, or None for plain text."""
+    if json_key is not None:
+        return json_key
+    return DEFAULT_JSON_KEY if path.suffix.lower() in JSON_SUFFIXES else None
+
+
+def all_documents(inputs: Sequence[Path], json_key: str | None) -> Iterator[str]:
+    """Every non-empty document of every input, in order."""
+    for path in inputs:
+        for document in iter_documents(path, input_format(path, json_key)):
+            if document.strip():
+                yield document
+
+
+def choose_valid_documents(num_documents: int, valid_fraction: float, seed: int) -> np.ndarray:
+    """A boolean mask of the documents held out for validation.
+
+    ``round(valid_fraction * num_documents)`` documents (at least one when the fraction is
+    positive), drawn uniformly from ``seed`` alone, so a rerun holds out the same ones.
+    """
+    is_valid = np.zeros(num_documents, dtype=bool)
+    if valid_fraction == 0:
+        return is_valid
+    count = max(1, round(valid_fraction * num_documents))
+    if count >= num_documents:
+        raise UsageError(
+            f"--valid-fraction {valid_fraction} of {num_documents} documents leaves none for training; "
+            f"give more documents or a smaller --valid-fraction"
+        )
+    is_valid[np.random.default_rng(seed).choice(num_documents, size=count, replace=False)] = True
+    return is_valid
+
+
+def prepare(
+    tokenizer_dir: str | os.PathLike,
+    inputs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    json_key: str | None = None,
+    valid_fraction: float = 0.01,
+    seed: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``inputs`` into ``out_dir`` (see the module docstring); return per-split counts."""
+    if not 0.0 <= valid_fraction < 1.0:
+        raise UsageError(f"--valid-fraction {valid_fraction} must be in [0, 1)")
+    if seed < 0:
+        raise UsageError(f"--seed {seed} must be a non-negative integer")
+    if json_key is not None and not json_key:
+        raise UsageError("--json-key must not be empty")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; name a directory to write the data into")
+    paths = [Path(path) for path in inputs]
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocabulary = HFVocabulary.load(tokenizer_dir, tokenizer=tokenizer)
+    eos = vocabulary.require("eos", "prepare (to end every document)")
+    # A "</s>" typed in a document is text, not the end of the document.
+    tokenizer.encode_special_tokens = True
+
+    # First pass: count (and validate) every document before anything is written.
+    num_documents = sum(1 for _ in all_documents(paths, json_key))
+    if num_documents == 0:
+        raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and --json-key")
+    is_valid = choose_valid_documents(num_documents, valid_fraction, seed)
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out} cannot be created ({err.strerror})") from None
+    dtype = smallest_token_dtype(len(vocabulary))
+    # Written under temporary names and renamed at the end: an interrupted run never
+    # leaves a split that looks complete.
+    splits = [split for split in SPLITS if split == "train" or is_valid.any()]
+    builders = {split: IndexedDatasetBuilder(out / f".{split}.partial", dtype, flavour=MEGATRON) for split in splits}
+    try:
+        _tokenize(tokenizer, all_documents(paths, json_key), eos, is_valid, builders, progress)
+    except BaseException:
+        for builder in builders.values():
+            builder.close()
+            for suffix in (".bin", ".idx"):
+                Path(builder.prefix + suffix).unlink(missing_ok=True)
+        raise
+    stats: dict = {"documents": num_documents, "dtype": dtype.name}
+    for split, builder in builders.items():
+        builder.finish()
+        for suffix in (".bin", ".idx"):
+            os.replace(builder.prefix + suffix, out / f"{split}{suffix}")
+        stats[split] = {"documents": len(builder), "tokens": builder.num_tokens}
+    if "valid" not in builders:
+        for suffix in (".bin", ".idx"):
+            (out / f"valid{suffix}").unlink(missing_ok=True)  # an earlier run's, which no longer belongs
+    stats["tokens"] = sum(stats[split]["tokens"] for split in splits)
+    copy_tokenizer_files(tokenizer_dir, out)
+    stats["seconds"] = time.perf_counter() - started
+    return stats
+
+
+def _tokenize(tokenizer, documents: Iterator[str], eos: int, is_valid: np.ndarray, builders: dict, progress: bool):
+    from tqdm import tqdm
+
+    eos_array = np.array([eos])
+    number = 0
+    with tqdm(total=len(is_valid), unit="doc", disable=not progress, file=sys.stderr) as bar:
+        batch: list[str] = []
+        for document in documents:
+            batch.append(document)
+            if len(batch) == ENCODE_BATCH:
+                number = _write_batch(tokenizer, batch, number, eos_array, is_valid, builders)
+                bar.update(len(batch))
+                batch = []
+        if batch:
+            number = _write_batch(tokenizer, batch, number, eos_array, is_valid, builders)
+            bar.update(len(batch))
+    if number != len(is_valid):
+        raise UsageError(f"the input changed while it was read ({len(is_valid)} documents, then {number}); rerun")
+
+
+def _write_batch(
+    tokenizer, batch: list[str], number: int, eos: np.ndarray, is_valid: np.ndarray, builders: dict
+) -> int:
+    for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+        if number >= len(is_valid):
+            raise UsageError("the input changed while it was read (more documents than counted); rerun")
+        split = "valid" if is_valid[number] else "train"
+        builders[split].add(np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos]))
+        number += 1
+    return number
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = OneLineErrorParser(
+        prog="python -m distlm.data.prepare",
+        description="Tokenize text or JSON-lines files with a Hugging Face tokenizer into a directory that "
+        "--data trains on (train/valid .bin/.idx in Megatron's layout, plus the tokenizer's files).",
+    )
+    parser.add_argument("--tokenizer", required=True, metavar="HF_DIR", help="Hugging Face tokenizer directory")
+    parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="text or JSON-lines files")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output data directory")
+    parser.add_argument(
+        "--json-key",
+        help=f"read every input as JSON lines with the text under this key "
+        f"(default: files named *.jsonl/*.json, key {DEFAULT_JSON_KEY!r})",
+    )
+    parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the validation choice (default 1)")
+    try:
+        args = parser.parse_args(argv)
+        stats = prepare(args.tokenizer, args.input, args.out, args.json_key, args.valid_fraction, args.seed)
+    except UsageError as exc:
+        print(f"distlm.data.prepare: error: {exc}", file=sys.stderr)
+        return UsageError.exit_code
+    for split in SPLITS:
+        if split in stats:
+            print(f"{split}: {stats[split]['documents']} documents, {stats[split]['tokens']} tokens ({stats['dtype']})")
+    seconds = max(stats["seconds"], 1e-9)
+    print(
+        f"wrote {args.out} in {stats['seconds']:.1f} s: {stats['documents'] / seconds:,.0f} documents/s, "
+        f"{stats['tokens'] / seconds:,.0f} tokens/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
