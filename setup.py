@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Distributed training of masked and causal language models on PyTorch",
     packages=find_packages(include=["distlm", "distlm.*"]),
+    package_data={"distlm.plan": ["profiles/*.toml"]},
     python_requires=">=3.10",
     # torch>=2.6 rather than a pin: Neuron's torch-xla stacks pin their own torch
     # (torch-xla 2.9 needs torch 2.9). CPU installs pin torch==2.13.0 on the command
@@ -14,7 +15,7 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "mpi": ["mpi4py>=3.1"],
         "bench": ["matplotlib"],
-        "hf": ["transformers>=4.40"],
+        "hf": ["transformers>=4.40", "tokenizers"],
     },
     entry_points={"console_scripts": ["distlm-train=distlm.train:run"]},
 )

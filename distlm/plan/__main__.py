@@ -1,0 +1,170 @@
+"""Project step time, tokens/s, scaling efficiency and memory per rank of a training run.
+
+    python -m distlm.plan --arch llama3_8b --cluster trn1.32xlarge --nodes 1,2,4,8 \\
+        --strategy zero1 --tp-degree 32 --precision bf16 --tokens-per-sample 8192 \\
+        --batch-size 1 --global-batch-size 1024
+
+One row per node count (``--json``: a JSON list of objects). Flags keep distlm.train's
+names, meanings and defaults. ``--cluster local --ranks 1,2 --calibrate FILE`` plans this
+machine from measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from distlm.config import OneLineErrorParser
+from distlm.errors import UsageError
+from distlm.plan.calibrate import calibrate, read_measurements
+from distlm.plan.flops import DTYPES, count_parameters, flops_per_token, model_shape
+from distlm.plan.model import (
+    ALLREDUCE_ALGORITHMS,
+    COMM_HOOKS,
+    GIB,
+    STRATEGIES,
+    Projection,
+    Workload,
+    available_clusters,
+    layouts,
+    load_cluster,
+    project,
+    resolve_batch,
+)
+
+
+def _counts(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise UsageError(f"{flag} takes comma-separated whole numbers, e.g. 1,2,4; got {text!r}") from None
+        if not values:
+            raise UsageError(f"{flag} needs at least one number")
+        return values
+
+    return parse
+
+
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog="python -m distlm.plan", allow_abbrev=False, description=__doc__.splitlines()[0]
+    )
+    add = parser.add_argument
+    add("--arch", required=True, help="a distlm arch name or a Hugging Face config.json (model_type llama or roberta)")
+    add("--cluster", required=True, help=f"one of {', '.join(available_clusters())}, or a profile .toml file")
+    add("--nodes", type=_counts("--nodes"), default=None, help="node counts to project, e.g. 1,2,4 (default 1)")
+    add("--ranks", type=_counts("--ranks"), default=None,
+        help="total rank counts instead of --nodes; fewer than a node's ranks use part of one node")
+    add("--ranks-per-node", type=int, default=None, help="override the profile's ranks per node")
+    add("--strategy", default="ddp", choices=STRATEGIES, help="ddp, zero1 or fsdp")
+    add("--tp-degree", type=int, default=1, help="tensor-parallel degree (inside a node)")
+    add("--batch-size", type=int, default=None, help="samples per micro-batch per data-parallel replica (default 16)")
+    add("--update-freq", type=int, default=None, help="micro-batches per update (default 1)")
+    add("--global-batch-size", type=int, default=None,
+        help="samples per update over all replicas (strong scaling); split over the replicas of each layout")
+    add("--tokens-per-sample", type=int, default=128, help="sequence length")
+    add("--vocab-size", type=int, default=None,
+        help="vocabulary size (default: the config's, or the arch namesake's published one)")
+    add("--precision", default="fp32", choices=DTYPES, help="compute precision (fp16/bf16: autocast, fp32 weights)")
+    add("--comm-hook", default="allreduce", choices=COMM_HOOKS, help="gradient all-reduce algorithm of DDP's buckets")
+    add("--double-buffering", action="store_true", help="ChainerMN double buffering (one-step-stale gradients)")
+    add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    add("--allreduce-algorithm", default="ring", choices=ALLREDUCE_ALGORITHMS,
+        help="flat all-reduce: ring, tree, or auto (the faster per message, as NCCL picks)")
+    add("--sequence-parallel", action="store_true", help="with --tp-degree: shard activations along the sequence")
+    add("--activation-checkpointing", action="store_true", help="recompute each block's forward in backward")
+    add("--calibrate", default=None, metavar="FILE",
+        help="fit the link and achieved FLOP/s to benchmarks/allreduce.py output and scaling-suite JSONL rows")
+    add("--json", action="store_true", help="print a JSON list of row objects")
+    return parser
+
+
+def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
+    """Project the parsed command line: ``(rows, header lines)``."""
+    cluster = load_cluster(args.cluster, args.ranks_per_node)
+    notes: list[str] = []
+    if args.calibrate is not None:
+        calibration = calibrate(read_measurements(args.calibrate), args.vocab_size)
+        cluster = calibration.apply(cluster)
+        notes += [f"calibrated: {note}" for note in calibration.notes]
+    shape = model_shape(args.arch, args.vocab_size)
+    rows = []
+    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree):
+        micro, update_freq = resolve_batch(layout.dp, args.batch_size, args.update_freq, args.global_batch_size)
+        workload = Workload(
+            shape=shape, strategy=args.strategy, precision=args.precision, tokens_per_sample=args.tokens_per_sample,
+            batch_size=micro, update_freq=update_freq, comm_hook=args.comm_hook, double_buffering=args.double_buffering,
+            bucket_cap_mb=args.bucket_cap_mb, allreduce_algorithm=args.allreduce_algorithm,
+            sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+        )
+        rows.append(project(workload, cluster, layout))
+    header = [
+        f"{args.arch}: {count_parameters(shape) / 1e9:.3f} B parameters (vocabulary {shape.vocab_size}), "
+        f"{flops_per_token(shape, args.tokens_per_sample) / 1e9:.3f} GFLOP per token "
+        f"at {args.tokens_per_sample} tokens",
+        f"{cluster.name} ({cluster.device}, {cluster.ranks_per_node} ranks/node, "
+        f"{cluster.achieved_flops_per_rank(args.precision) / 1e12:.2f} TFLOP/s achieved per rank in {args.precision}), "
+        f"--strategy {args.strategy}, --tp-degree {args.tp_degree}, --comm-hook {args.comm_hook}"
+        + (" with double buffering" if args.double_buffering else "")
+        + f" ({args.allreduce_algorithm}), buckets of {args.bucket_cap_mb:g} MiB",
+    ] + notes
+    if args.tp_degree > shape.n_kv_heads:
+        header.append(
+            f"note: --tp-degree {args.tp_degree} > n_kv_heads {shape.n_kv_heads}: each rank keeps one key/value head, "
+            "replicated (neuronx-distributed's layout); distlm's own tensor parallel needs tp to divide n_kv_heads"
+        )
+    return rows, header
+
+
+def format_table(rows: list[Projection]) -> str:
+    columns = [
+        ("nodes", "{:>5}", lambda r: r.nodes),
+        ("ranks", "{:>5}", lambda r: r.ranks),
+        ("dp", "{:>4}", lambda r: r.dp_degree),
+        ("batch", "{:>6}", lambda r: f"{r.global_batch_size // (r.dp_degree * r.update_freq)}x{r.update_freq}"),
+        ("step_s", "{:>8.3f}", lambda r: r.step_time_s),
+        ("compute", "{:>8.3f}", lambda r: r.compute_s),
+        ("tp_comm", "{:>8.3f}", lambda r: r.tp_comm_s),
+        ("dp_comm", "{:>8.3f}", lambda r: r.dp_comm_s),
+        ("exposed", "{:>8.3f}", lambda r: r.comm_exposed_s),
+        ("optim", "{:>7.3f}", lambda r: r.optimizer_s),
+        ("tokens/s", "{:>10.0f}", lambda r: r.tokens_per_s),
+        ("samples/s", "{:>9.2f}", lambda r: r.samples_per_s),
+        ("eff", "{:>5.2f}", lambda r: r.efficiency),
+        ("mfu", "{:>5.2f}", lambda r: r.mfu),
+        ("GiB/rank", "{:>8.2f}", lambda r: r.memory_bytes_per_rank / GIB),
+        ("+act", "{:>7.2f}", lambda r: r.activation_bytes_per_rank / GIB),
+        ("fits", "{:>4}", lambda r: "yes" if r.fits else "NO"),
+    ]
+    widths = [len(fmt.format(getter(rows[0]))) if rows else len(name) for name, fmt, getter in columns]
+    lines = ["  ".join(name.rjust(max(width, len(name))) for (name, _, _), width in zip(columns, widths))]
+    for row in rows:
+        lines.append("  ".join(
+            fmt.format(getter(row)).rjust(max(width, len(name)))
+            for (name, fmt, getter), width in zip(columns, widths)
+        ))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        rows, header = plan(args)
+    except UsageError as exc:
+        print(f"distlm.plan: error: {exc}", file=sys.stderr)
+        return UsageError.exit_code
+    if args.json:
+        for line in header:
+            print(line, file=sys.stderr)
+        print(json.dumps([row.to_dict() for row in rows], indent=1))
+    else:
+        print("\n".join(header))
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

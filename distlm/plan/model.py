@@ -1,0 +1,828 @@
+"""A model of one training update: step time, tokens/s, scaling efficiency, memory per rank.
+
+* Compute: FLOPs per token (``flops.py``) over the rank's achieved FLOP/s (peak x an
+  assumed fraction, or a calibrated number); backward costs twice the forward.
+* Communication: each collective from an alpha-beta model, latency plus bytes over
+  bandwidth, on the link it crosses: the intra-node link per rank (NVLink/NVSwitch,
+  NeuronLink) or the node's network (EFA), which the node's concurrent groups share.
+* Overlap, as each strategy really allows it:
+  - DDP (and ZeRO-1's gradient all-reduce): gradient buckets are all-reduced one after
+    another as backward fills them, so all but what remains after the last bucket is
+    ready hides behind the rest of backward (simulated bucket by bucket);
+  - ChainerMN double buffering: the all-reduce of update t has until update t+1's
+    optimizer step, a whole step of compute, to finish;
+  - FSDP: each block's all-gather is prefetched during the previous block's compute,
+    reduce-scatters run behind the next blocks' backward; the first all-gathers and the
+    last reduce-scatter are exposed (simulated block by block);
+  - ZeRO-1's parameter sync after the optimizer step and tensor-parallel activation
+    all-reduces sit on the critical path.
+* Memory: fp32 weights, fp32 gradients and Adam's two fp32 moments (16 bytes a parameter,
+  as distlm keeps them in every precision mode), sharded as the strategy shards them,
+  split by the tensor-parallel degree where the model's TP plan splits them; plus an
+  estimate of activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from distlm.errors import UsageError
+from distlm.plan.flops import (
+    DTYPES,
+    ModelShape,
+    device_key,
+    dtype_name,
+    flops_per_token,
+    measure_cpu_matmul_flops,
+    parameter_groups,
+    peak_flops,
+)
+
+GIB = 1024**3
+MIB = 1024**2
+STRATEGIES = ("ddp", "zero1", "fsdp")
+COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
+ALLREDUCE_ALGORITHMS = ("ring", "tree", "auto")
+# torch DDP puts the first gradients of backward in a small bucket of its own
+# (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES), so communication starts early.
+DDP_FIRST_BUCKET_BYTES = 1 * MIB
+# Bytes an fp32 AdamW step moves per parameter: read weight, gradient and both moments
+# (16), write weight and moments (12), plus gradient clipping's norm read and in-place
+# scale of the gradient (12). The step is memory-bound, so time = bytes / memory bandwidth.
+ADAM_BYTES_PER_PARAM = 40
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+# Models"), bytes a block keeps for backward per token and hidden unit with 16-bit
+# activations: 34 without tensor parallel, 10 + 24/t with it, 34/t with sequence
+# parallel. The attention-score term (5 a s / h) is left out: SDPA's fused kernels do not
+# keep the scores.
+ACTIVATION_BYTES_PER_TOKEN_UNIT = 34.0
+PROFILES_PACKAGE = "distlm.plan"
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: a message of n bytes takes ``latency_s + n / bandwidth_Bps``."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A node type and its network, from a profile in ``distlm/plan/profiles``."""
+
+    name: str
+    device_type: str
+    device: str
+    ranks_per_node: int
+    memory_bytes_per_rank: float
+    memory_bandwidth_Bps: float
+    """Per rank; sets the (memory-bound) optimizer step's time."""
+    intra: Link
+    """Collective bus bandwidth of one rank inside a node, and the per-step latency."""
+    inter: Link
+    """The node's network: bandwidth of the whole node (shared by its ranks), per-step latency."""
+    achieved_fraction: dict[str, float]
+    """Assumed fraction of peak FLOP/s that training achieves (an MFU guess), per precision."""
+    achieved_flops: dict[str, float] = field(default_factory=dict)
+    """Measured achieved FLOP/s per rank (calibration); wins over peak x fraction."""
+    cpu_threads_per_rank: int | None = None
+    """For ``cpu``: threads each rank uses, which the matmul probe measures with."""
+
+    def peak_flops_per_rank(self, precision: str) -> float:
+        if self.device_type == "cpu":
+            return measure_cpu_matmul_flops(precision, threads=self.cpu_threads_per_rank)
+        return peak_flops(self.device_type, precision, self.device)
+
+    def achieved_flops_per_rank(self, precision: str) -> float:
+        if precision in self.achieved_flops:
+            return self.achieved_flops[precision]
+        peak = self.peak_flops_per_rank(precision)  # refuses a precision the device lacks
+        if precision not in self.achieved_fraction:
+            raise UsageError(
+                f"--cluster {self.name} states no achieved fraction for {precision}; "
+                f"choose --precision {' or '.join(self.achieved_fraction)}, or calibrate with --calibrate"
+            )
+        return peak * self.achieved_fraction[precision]
+
+
+def available_clusters() -> list[str]:
+    """Names of the bundled cluster profiles."""
+    folder = resources.files(PROFILES_PACKAGE) / "profiles"
+    return sorted(entry.name[: -len(".toml")] for entry in folder.iterdir() if entry.name.endswith(".toml"))
+
+
+def load_cluster(name: str, ranks_per_node: int | None = None) -> Cluster:
+    """The bundled profile ``name`` (e.g. ``p4d.24xlarge``), or a profile TOML file by path.
+
+    ``ranks_per_node`` overrides the profile's (for ``local``: how many ranks share this
+    machine's cores).
+    """
+    if name.endswith(".toml") or "/" in name:
+        path = Path(name)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise UsageError(f"--cluster {name}: cannot read the profile ({exc.strerror or exc})") from None
+        source = str(path)
+    else:
+        entry = resources.files(PROFILES_PACKAGE) / "profiles" / f"{name}.toml"
+        if not entry.is_file():
+            raise UsageError(
+                f"--cluster {name} is unknown; choose one of {', '.join(available_clusters())} or a .toml file"
+            )
+        text, source = entry.read_text(), f"profile {name}"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--cluster {source}: not valid TOML ({exc})") from None
+    return _cluster_from_table(data, source, ranks_per_node)
+
+
+def _cluster_from_table(data: dict[str, Any], source: str, ranks_per_node: int | None) -> Cluster:
+    def number(table: dict[str, Any], key: str, where: str) -> float:
+        value = table.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UsageError(f"--cluster {source}: {where}{key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def section(key: str) -> dict[str, Any]:
+        value = data.get(key)
+        if not isinstance(value, dict):
+            raise UsageError(f"--cluster {source}: missing the [{key}] table")
+        return value
+
+    device_type = data.get("device_type")
+    if device_type not in ("cuda", "neuron", "cpu"):
+        raise UsageError(f"--cluster {source}: device_type must be cuda, neuron or cpu, got {device_type!r}")
+    device = str(data.get("device", "cpu"))
+    if device_type != "cpu":
+        device_key(device_type, device)  # refuses a device with no peak FLOP/s table
+    intra, inter = section("intra_node"), section("inter_node")
+    fractions = section("achieved_fraction")
+    achieved_fraction = {}
+    for precision, value in fractions.items():
+        number_in_range = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+        if precision not in DTYPES or not number_in_range:
+            raise UsageError(
+                f"--cluster {source}: achieved_fraction.{precision} must name one of {', '.join(DTYPES)} "
+                "and be a fraction in (0, 1]"
+            )
+        achieved_fraction[precision] = float(value)
+    profile_ranks = int(number(data, "ranks_per_node", ""))
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise UsageError(f"--ranks-per-node must be at least 1, got {ranks_per_node}")
+    rpn = ranks_per_node or profile_ranks
+    inter_efficiency = number(inter, "efficiency", "inter_node.")
+    if inter_efficiency > 1:
+        raise UsageError(f"--cluster {source}: inter_node.efficiency is a fraction of the nominal rate, at most 1")
+    # Ranks of this machine share its cores, so the CPU probe measures one rank's share.
+    threads = max(1, (os.cpu_count() or 1) // rpn) if device_type == "cpu" else None
+    return Cluster(
+        name=str(data.get("name", source)),
+        device_type=device_type,
+        device=device,
+        ranks_per_node=rpn,
+        memory_bytes_per_rank=number(data, "memory_gib_per_rank", "") * GIB,
+        memory_bandwidth_Bps=number(data, "memory_bandwidth_GBps_per_rank", "") * 1e9,
+        intra=Link(
+            number(intra, "latency_us", "intra_node.") * 1e-6, number(intra, "bandwidth_GBps", "intra_node.") * 1e9
+        ),
+        inter=Link(
+            number(inter, "latency_us", "inter_node.") * 1e-6,
+            number(inter, "nominal_Gbps", "inter_node.") * 1e9 / 8 * inter_efficiency,
+        ),
+        achieved_fraction=achieved_fraction,
+        cpu_threads_per_rank=threads,
+    )
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def ring_allreduce_time(nbytes: float, ranks: int, link: Link) -> float:
+    """Ring all-reduce (reduce-scatter then all-gather, 2(p-1) steps of n/p bytes each):
+    ``2 (p-1) alpha + 2 (p-1)/p x n / bandwidth``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) * link.latency_s + 2 * (ranks - 1) / ranks * nbytes / link.bandwidth_Bps
+
+
+def tree_allreduce_time(nbytes: float, ranks: int, link: Link) -> float:
+    """Pipelined (double binary) tree all-reduce: a reduce up and a broadcast down the
+    tree, ``2 ceil(log2 p) alpha + 2 n / bandwidth``; fewer latency steps than a ring, the
+    same bandwidth term for large p."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * link.latency_s + 2 * nbytes / link.bandwidth_Bps
+
+
+def reduce_scatter_time(nbytes: float, ranks: int, link: Link) -> float:
+    """Ring reduce-scatter of an n-byte buffer: ``(p-1) alpha + (p-1)/p x n / bandwidth``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) * link.latency_s + (ranks - 1) / ranks * nbytes / link.bandwidth_Bps
+
+
+def all_gather_time(nbytes: float, ranks: int, link: Link) -> float:
+    """Ring all-gather into an n-byte buffer; the same cost as a reduce-scatter of n bytes."""
+    return reduce_scatter_time(nbytes, ranks, link)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group laid over the cluster: ``ranks`` in all, spread over ``nodes``,
+    with ``concurrent`` such groups communicating at once through each node's network."""
+
+    ranks: int
+    nodes: int
+    concurrent: int = 1
+
+
+def group_link(group: Group, cluster: Cluster) -> Link:
+    """The link a ring over ``group`` runs at: the intra-node link inside one node; across
+    nodes, every step waits for a network hop, and each node's network carries every
+    concurrent group's ring (its bandwidth is shared), never faster than the intra link."""
+    if group.nodes <= 1:
+        return cluster.intra
+    bandwidth = min(cluster.intra.bandwidth_Bps, cluster.inter.bandwidth_Bps / group.concurrent)
+    return Link(max(cluster.inter.latency_s, cluster.intra.latency_s), bandwidth)
+
+
+def flat_allreduce_time(nbytes: float, group: Group, cluster: Cluster, algorithm: str = "ring") -> float:
+    """All-reduce over ``group`` with ``algorithm`` (ring, tree, or auto: the faster, as NCCL picks)."""
+    link = group_link(group, cluster)
+    ring = ring_allreduce_time(nbytes, group.ranks, link)
+    if algorithm == "ring":
+        return ring
+    tree = tree_allreduce_time(nbytes, group.ranks, link)
+    return tree if algorithm == "tree" else min(ring, tree)
+
+
+def hierarchical_allreduce_time(
+    nbytes: float, nodes: int, ranks_per_node: int, cluster: Cluster, inter_bytes_factor: float = 1.0,
+    algorithm: str = "ring",
+) -> float:
+    """distlm's hierarchical all-reduce: reduce-scatter inside each node, all-reduce of the
+    node's 1/k shard across nodes among ranks of the same local rank (k such rings share
+    the node's network), all-gather inside the node. ``inter_bytes_factor`` 0.5 is the
+    fp16 inter-node leg of ``hierarchical-fp16``."""
+    if nodes * ranks_per_node <= 1:
+        return 0.0
+    intra = reduce_scatter_time(nbytes, ranks_per_node, cluster.intra)
+    intra += all_gather_time(nbytes, ranks_per_node, cluster.intra)
+    inter_group = Group(ranks=nodes, nodes=nodes, concurrent=ranks_per_node)
+    inter = flat_allreduce_time(nbytes / ranks_per_node * inter_bytes_factor, inter_group, cluster, algorithm)
+    return intra + inter
+
+
+# ----------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: ``nodes`` x ``ranks_per_node``, tensor parallel inside a node."""
+
+    nodes: int
+    ranks_per_node: int
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    def dp_group(self) -> Group:
+        # Tensor-parallel ranks are neighbours in a node, so each data-parallel group holds
+        # ranks_per_node / tp ranks of every node, and tp such groups share each node's network.
+        return Group(ranks=self.dp, nodes=self.nodes, concurrent=self.tp)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one update runs: model, strategy and its settings (distlm.train's meanings)."""
+
+    shape: ModelShape
+    strategy: str = "ddp"
+    precision: str = "fp32"
+    tokens_per_sample: int = 128
+    batch_size: int = 16
+    """Samples per micro-batch per data-parallel replica."""
+    update_freq: int = 1
+    comm_hook: str = "allreduce"
+    double_buffering: bool = False
+    bucket_cap_mb: float = 25.0
+    allreduce_algorithm: str = "ring"
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    masked_fraction: float = 0.15
+    """RoBERTa's LM head runs at the masked positions only (distlm's --mask-prob default)."""
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.batch_size * self.tokens_per_sample
+
+    @property
+    def activation_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass
+class Projection:
+    """One projected row: a layout's step time, throughput, efficiency and memory."""
+
+    nodes: int
+    ranks: int
+    ranks_per_node: int
+    dp_degree: int
+    tp_degree: int
+    global_batch_size: int
+    update_freq: int
+    step_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    efficiency: float
+    mfu: float
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    comm_exposed_s: float
+    optimizer_s: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    memory_bytes_per_rank: float
+    activation_bytes_per_rank: float
+    device_memory_bytes: float
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class LocalParameters:
+    """Parameters one tensor-parallel rank holds, by role (see ``flops.ParameterGroups``)."""
+
+    embedding: float
+    per_block: float
+    head: float
+    blocks: int
+    matmul_embedding: float
+    """Of ``embedding``, the part that multiplies per token (a tied output projection)."""
+    matmul_head: float
+
+    @property
+    def total(self) -> float:
+        return self.embedding + self.blocks * self.per_block + self.head
+
+
+def local_parameters(shape: ModelShape, tp: int) -> LocalParameters:
+    """Parameter counts per tensor-parallel rank under distlm's TP plans: Llama splits its
+    block projections, vocabulary embedding and output layer and keeps norms whole;
+    RoBERTa splits its encoder projections (row-wise biases and LayerNorms stay whole)
+    and keeps embeddings and the tied LM head replicated."""
+    groups = parameter_groups(shape)
+    d = shape.dim
+    if shape.family == "llama":
+        norms = 2 * d
+        block = (groups.per_block - norms) / tp + norms
+        if tp > shape.n_kv_heads:
+            # Fewer key/value heads than ranks: each rank keeps one whole head (replicated
+            # tp / n_kv_heads times), as neuronx-distributed lays out GQA.
+            kv_split = 2 * d * shape.kv_dim / tp
+            block += 2 * d * shape.head_dim - kv_split
+        output = 0 if shape.tied_output else groups.output_projection
+        head = output / tp + d
+        embedding = groups.embedding / tp
+        return LocalParameters(
+            embedding=embedding, per_block=block, head=head, blocks=shape.n_layers,
+            matmul_embedding=embedding if shape.tied_output else 0.0, matmul_head=head,
+        )
+    whole = d + 2 * d + d + 2 * d  # out_proj bias, LayerNorm, fc2 bias, LayerNorm
+    block = (groups.per_block - whole) / tp + whole
+    return LocalParameters(
+        embedding=groups.embedding, per_block=block, head=groups.head, blocks=shape.n_layers,
+        matmul_embedding=groups.output_projection, matmul_head=groups.head,
+    )
+
+
+def memory_per_rank(workload: Workload, layout: Layout) -> dict[str, float]:
+    """Bytes per rank in parameters, gradients and Adam state (16 bytes a parameter in
+    fp32, as distlm keeps them), sharded by strategy: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N,
+    FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate."""
+    local = local_parameters(workload.shape, layout.tp).total
+    dp = layout.dp
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "fsdp": (dp, dp, dp)}[workload.strategy]
+    params, grads, optimizer = 4 * local / shard[0], 4 * local / shard[1], 8 * local / shard[2]
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optimizer_bytes": optimizer,
+        "total_bytes": params + grads + optimizer,
+        "activation_bytes": activation_bytes_per_rank(workload, layout),
+    }
+
+
+def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
+    """Estimated bytes kept for backward by one micro-batch (Korthikanti et al. 2022 per
+    block, plus fp32 logits and their gradient); with activation checkpointing, each
+    block's input plus one block recomputed at a time."""
+    s, tp = workload.shape, layout.tp
+    tokens = workload.tokens_per_micro_batch
+    scale = workload.activation_bytes / 2
+    if tp == 1:
+        per_unit = ACTIVATION_BYTES_PER_TOKEN_UNIT
+    elif workload.sequence_parallel:
+        per_unit = ACTIVATION_BYTES_PER_TOKEN_UNIT / tp
+    else:
+        per_unit = 10 + 24 / tp
+    block = tokens * s.dim * per_unit * scale
+    if workload.activation_checkpointing:
+        inputs = tokens * s.dim * workload.activation_bytes / (tp if workload.sequence_parallel else 1)
+        blocks = s.n_layers * inputs + block
+    else:
+        blocks = s.n_layers * block
+    vocab = s.vocab_size / tp if s.family == "llama" else s.vocab_size * workload.masked_fraction
+    logits = tokens * vocab * 4 * 2
+    return blocks + logits
+
+
+# -------------------------------------------------------------------------- compute
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of forward or backward: its compute seconds and, in backward, the
+    gradient parameters it completes (per rank)."""
+
+    seconds: float
+    params: float
+
+
+def micro_batch_segments(
+    workload: Workload, layout: Layout, cluster: Cluster
+) -> tuple[list[Segment], list[Segment], float]:
+    """Forward segments (embedding, blocks, head) and backward segments (head, blocks in
+    reverse, embedding) of one micro-batch on one rank, with the tensor-parallel
+    all-reduces inside the block segments; and the micro-batch's tensor-parallel seconds.
+
+    A tied output projection multiplies in the head but its gradient, accumulated with
+    the embedding lookup's, is complete only when the embedding's backward is.
+    """
+    s, tp = workload.shape, layout.tp
+    local = local_parameters(s, tp)
+    tokens = workload.tokens_per_micro_batch
+    flops_rate = cluster.achieved_flops_per_rank(workload.precision)
+    # Forward FLOPs per token: 2 per multiplied parameter, and 4 x heads x head size x T
+    # for the QK^T and AV products (the heads are split over the tensor-parallel ranks).
+    attention = 4.0 * s.attention_dim * workload.tokens_per_sample / tp
+    fwd_block = tokens * (2 * local.per_block + attention) / flops_rate
+    head_tokens = tokens * (workload.masked_fraction if s.family == "roberta" else 1.0)
+    fwd_head = head_tokens * 2 * (local.matmul_head + local.matmul_embedding) / flops_rate
+    recompute = fwd_block if workload.activation_checkpointing else 0.0
+    # Tensor parallel: two activation all-reduces per block in forward (after attention and
+    # after the feed-forward) and two in backward (their input gradients), as all-reduces
+    # or, with sequence parallel, as all-gathers + reduce-scatters of the same bytes.
+    tp_allreduce = ring_allreduce_time(tokens * s.dim * workload.activation_bytes, tp, cluster.intra)
+    tp_fwd = 2 * tp_allreduce
+    tp_bwd = 2 * tp_allreduce + (tp_fwd if workload.activation_checkpointing else 0.0)
+    forward = [Segment(0.0, 0.0)] + [Segment(fwd_block + tp_fwd, 0.0)] * s.n_layers + [Segment(fwd_head, 0.0)]
+    backward = (
+        [Segment(2 * fwd_head, local.head)]
+        + [Segment(2 * fwd_block + recompute + tp_bwd, local.per_block)] * s.n_layers
+        + [Segment(0.0, local.embedding)]
+    )
+    return forward, backward, s.n_layers * (tp_fwd + tp_bwd)
+
+
+def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: float = 0.15) -> float:
+    """FLOPs per token the step really runs, as ``micro_batch_segments`` times them:
+    ``flops_per_token`` with RoBERTa's LM head (and its tied projection) at the masked
+    fraction of positions only. Calibration divides these by the measured compute time."""
+    full = flops_per_token(shape, seq_len)
+    if shape.family != "roberta":
+        return full
+    local = local_parameters(shape, 1)
+    return full - 6 * (1 - masked_fraction) * (local.matmul_head + local.matmul_embedding)
+
+
+def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The memory-bound AdamW step over the parameters this rank updates."""
+    local = local_parameters(workload.shape, layout.tp).total
+    updated = local if workload.strategy == "ddp" or layout.dp == 1 else local / layout.dp
+    return updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
+
+
+# ------------------------------------------------------------------- data parallel
+
+
+def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """One DDP bucket of ``nbytes`` fp32 gradient bytes through ``workload.comm_hook``."""
+    group = layout.dp_group()
+    hook = workload.comm_hook
+    if hook == "allreduce":
+        return flat_allreduce_time(nbytes, group, cluster, workload.allreduce_algorithm)
+    if hook in ("fp16", "bf16"):
+        return flat_allreduce_time(nbytes / 2, group, cluster, workload.allreduce_algorithm)
+    factor = 0.5 if hook == "hierarchical-fp16" else 1.0
+    return hierarchical_allreduce_time(
+        nbytes, layout.nodes, layout.ranks_per_node, cluster, factor, workload.allreduce_algorithm
+    )
+
+
+def _bucket_boundaries(total_bytes: float, cap_bytes: float) -> list[float]:
+    """Cumulative byte offsets where DDP's buckets end, in the order backward fills them."""
+    ends, position = [], 0.0
+    first = min(DDP_FIRST_BUCKET_BYTES, total_bytes)
+    for size in [first] + [cap_bytes] * math.ceil(max(total_bytes - first, 0.0) / cap_bytes):
+        position = min(total_bytes, position + size)
+        ends.append(position)
+    return ends
+
+
+def _ready_time(byte_offset: float, backward: list[Segment]) -> float:
+    """When backward has produced ``byte_offset`` gradient bytes (linear within a segment)."""
+    elapsed, produced = 0.0, 0.0
+    for segment in backward:
+        nbytes = 4 * segment.params
+        if nbytes > 0 and produced + nbytes >= byte_offset - 1e-6:
+            return elapsed + segment.seconds * (byte_offset - produced) / nbytes
+        produced += nbytes
+        elapsed += segment.seconds
+    return elapsed
+
+
+def ddp_communication(
+    workload: Workload, layout: Layout, cluster: Cluster, backward: list[Segment]
+) -> list[tuple[float, float, float]]:
+    """``(ready, end, seconds)`` of each gradient bucket of one update, in seconds from the
+    start of the last micro-batch's backward: buckets are all-reduced one after another,
+    each once backward has filled it and the previous one is done."""
+    total_bytes = 4 * sum(segment.params for segment in backward)
+    buckets, comm_free, previous = [], 0.0, 0.0
+    for end in _bucket_boundaries(total_bytes, workload.bucket_cap_mb * MIB):
+        seconds = gradient_allreduce_time(end - previous, workload, layout, cluster)
+        ready = _ready_time(end, backward)
+        comm_free = max(ready, comm_free) + seconds
+        buckets.append((ready, comm_free, seconds))
+        previous = end
+    return buckets
+
+
+def exposed_ddp_seconds(
+    buckets: list[tuple[float, float, float]], backward_seconds: float, period: float | None
+) -> float:
+    """Communication seconds the update waits for. Plain DDP waits after backward for the
+    buckets still in flight: all but the tail hid behind the remaining backward. With
+    double buffering (``period``: the update's compute and optimizer seconds), bucket k of
+    update t is awaited when update t+1's backward fills bucket k, a period later; in steady
+    state the update also stretches to the total communication when that exceeds the period."""
+    if not buckets:
+        return 0.0
+    if period is None:
+        return max(0.0, buckets[-1][1] - backward_seconds)
+    latest = max(end - ready for ready, end, _ in buckets)
+    total = sum(seconds for _, _, seconds in buckets)
+    return max(0.0, latest - period, total - period)
+
+
+def fsdp_micro_batch(
+    workload: Workload, layout: Layout, cluster: Cluster, forward: list[Segment], backward: list[Segment], reduce: bool
+) -> tuple[float, float]:
+    """(elapsed seconds, communication seconds) of one FSDP micro-batch:
+    per-block all-gathers prefetched one block ahead on one communication stream, the
+    last block kept gathered after forward, the root's parameters gathered once, and each
+    block's gradients reduce-scattered (fp32) after its backward when ``reduce``."""
+    group = layout.dp_group()
+    link = group_link(group, cluster)
+    gather_bytes = 4 if workload.precision == "fp32" else 2
+    local = local_parameters(workload.shape, layout.tp)
+    n = workload.shape.n_layers
+
+    def gather(params: float) -> float:
+        return all_gather_time(params * gather_bytes, group.ranks, link)
+
+    def scatter(params: float) -> float:
+        return reduce_scatter_time(params * 4, group.ranks, link) if reduce else 0.0
+
+    comm_free = 0.0
+    comm_total = 0.0
+
+    def communicate(ready: float, seconds: float) -> float:
+        nonlocal comm_free, comm_total
+        comm_free = max(ready, comm_free) + seconds
+        comm_total += seconds
+        return comm_free
+
+    root = local.embedding + local.head
+    root_ready = communicate(0.0, gather(root))
+    gathered = {0: communicate(0.0, gather(local.per_block))}
+    clock = root_ready + forward[0].seconds
+    for i in range(n):
+        clock = max(clock, gathered[i])
+        if i + 1 < n:
+            gathered[i + 1] = communicate(clock, gather(local.per_block))
+        clock += forward[1 + i].seconds
+    clock += forward[-1].seconds
+    # Backward: head, then blocks n-1 .. 0 (block n-1 stayed gathered after forward; each
+    # block's pre-backward prefetches the next one's all-gather), then the embedding.
+    clock += backward[0].seconds
+    regathered = {n - 1: 0.0}
+    for i in reversed(range(n)):
+        clock = max(clock, regathered[i])
+        if i >= 1:
+            regathered[i - 1] = communicate(clock, gather(local.per_block))
+        clock += backward[n - i].seconds
+        communicate(clock, scatter(local.per_block))
+    clock += backward[-1].seconds
+    end = max(clock, communicate(clock, scatter(root)))
+    return end, comm_total
+
+
+# ------------------------------------------------------------------------ projection
+
+
+def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
+    """Project one update of ``workload`` on ``layout`` over ``cluster``."""
+    validate(workload, cluster, layout)
+    workload = dataclasses.replace(workload, precision=dtype_name(workload.precision))
+    forward, backward, tp_per_micro = micro_batch_segments(workload, layout, cluster)
+    micro = sum(segment.seconds for segment in forward) + sum(segment.seconds for segment in backward)
+    uf = workload.update_freq
+    optimizer = optimizer_seconds(workload, layout, cluster)
+    tp_comm = uf * tp_per_micro
+    compute = uf * micro - tp_comm
+    dp_enabled = layout.dp > 1
+
+    if workload.strategy == "fsdp" and dp_enabled:
+        elapsed, comm_total = 0.0, 0.0
+        for index in range(uf):
+            seconds, comm = fsdp_micro_batch(workload, layout, cluster, forward, backward, reduce=index == uf - 1)
+            elapsed += seconds
+            comm_total += comm
+        step = elapsed + optimizer
+    else:
+        buckets = ddp_communication(workload, layout, cluster, backward) if dp_enabled else []
+        comm_total = sum(seconds for _, _, seconds in buckets)
+        period = uf * micro + optimizer if workload.double_buffering else None
+        backward_seconds = sum(segment.seconds for segment in backward)
+        step = uf * micro + optimizer + exposed_ddp_seconds(buckets, backward_seconds, period)
+        if workload.strategy == "zero1" and dp_enabled:
+            local = local_parameters(workload.shape, layout.tp).total
+            sync = all_gather_time(4 * local, layout.dp, group_link(layout.dp_group(), cluster))
+            comm_total += sync
+            step += sync
+
+    exposed = max(0.0, step - uf * micro - optimizer)  # clamps float noise when nothing is exposed
+    # One replica alone (no data-parallel communication, nothing sharded) sets the ideal.
+    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp)
+    ideal_step = uf * micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
+    samples = workload.batch_size * uf * layout.dp
+    tokens_per_s = samples * workload.tokens_per_sample / step
+    memory = memory_per_rank(workload, layout)
+    peak = cluster.peak_flops_per_rank(workload.precision)
+    mfu = tokens_per_s * flops_per_token(workload.shape, workload.tokens_per_sample) / (peak * layout.world)
+    return Projection(
+        nodes=layout.nodes,
+        ranks=layout.world,
+        ranks_per_node=layout.ranks_per_node,
+        dp_degree=layout.dp,
+        tp_degree=layout.tp,
+        global_batch_size=samples,
+        update_freq=uf,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        samples_per_s=samples / step,
+        efficiency=ideal_step / step,
+        mfu=mfu,
+        compute_s=compute,
+        tp_comm_s=tp_comm,
+        dp_comm_s=comm_total,
+        comm_exposed_s=exposed,
+        optimizer_s=optimizer,
+        param_bytes=memory["param_bytes"],
+        grad_bytes=memory["grad_bytes"],
+        optimizer_bytes=memory["optimizer_bytes"],
+        memory_bytes_per_rank=memory["total_bytes"],
+        activation_bytes_per_rank=memory["activation_bytes"],
+        device_memory_bytes=cluster.memory_bytes_per_rank,
+        fits=memory["total_bytes"] + memory["activation_bytes"] <= cluster.memory_bytes_per_rank,
+    )
+
+
+def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
+    """Refuse what distlm itself would refuse, and layouts the model cannot describe."""
+    s = workload.shape
+    if workload.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {workload.strategy} is unknown; choose one of {', '.join(STRATEGIES)}")
+    if workload.comm_hook not in COMM_HOOKS:
+        raise UsageError(f"--comm-hook {workload.comm_hook} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+    if workload.allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
+        raise UsageError(
+            f"--allreduce-algorithm {workload.allreduce_algorithm} is unknown; "
+            f"choose one of {', '.join(ALLREDUCE_ALGORITHMS)}"
+        )
+    dtype_name(workload.precision)
+    for name in ("tokens_per_sample", "batch_size", "update_freq"):
+        if getattr(workload, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(workload, name)}")
+    if workload.bucket_cap_mb <= 0:
+        raise UsageError(f"--bucket-cap-mb must be positive, got {workload.bucket_cap_mb}")
+    if workload.tokens_per_sample > s.max_positions:
+        raise UsageError(
+            f"--tokens-per-sample {workload.tokens_per_sample} exceeds the model's {s.max_positions} positions; "
+            "lower it"
+        )
+    hooks_asked = workload.comm_hook != "allreduce" or workload.double_buffering
+    if hooks_asked and workload.strategy == "fsdp":
+        raise UsageError(
+            "--comm-hook/--double-buffering are DDP communication hooks; FSDP reduce-scatters its own "
+            "gradients: use --strategy ddp or zero1"
+        )
+    if hooks_asked and layout.tp > 1:
+        raise UsageError(
+            "--comm-hook/--double-buffering are DDP communication hooks, and DDP cannot hold tensor-parallel "
+            "parameters; use --tp-degree 1"
+        )
+    if layout.nodes < 1 or layout.ranks_per_node < 1:
+        raise UsageError(f"nodes and ranks per node must be at least 1, got {layout.nodes} x {layout.ranks_per_node}")
+    if layout.tp < 1 or layout.ranks_per_node % layout.tp:
+        raise UsageError(
+            f"--tp-degree {layout.tp} must divide the {layout.ranks_per_node} ranks of a node "
+            "(tensor parallel stays inside a node)"
+        )
+    divisible = {"n_heads": s.n_heads, "ffn_dim": s.ffn_dim}
+    for name, value in divisible.items():
+        if value % layout.tp:
+            raise UsageError(f"--tp-degree {layout.tp} must divide the model's {name}={value}")
+    if s.n_kv_heads % layout.tp and layout.tp % s.n_kv_heads:
+        raise UsageError(
+            f"--tp-degree {layout.tp} must divide the model's n_kv_heads={s.n_kv_heads} or be a multiple of it"
+        )
+    if workload.sequence_parallel and layout.tp == 1:
+        raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
+
+
+def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int) -> list[Layout]:
+    """One layout per node count, or per total rank count (a count below one node's ranks
+    is one partly used node)."""
+    if nodes is not None and ranks is not None:
+        raise UsageError("give --nodes or --ranks, not both")
+    rpn = cluster.ranks_per_node
+    if ranks is None:
+        for count in nodes or [1]:
+            if count < 1:
+                raise UsageError(f"--nodes must be at least 1, got {count}")
+        return [Layout(count, rpn, tp) for count in (nodes or [1])]
+    result = []
+    for count in ranks:
+        if count < 1:
+            raise UsageError(f"--ranks must be at least 1, got {count}")
+        if count <= rpn:
+            result.append(Layout(1, count, tp))
+        elif count % rpn:
+            raise UsageError(f"--ranks {count} is not a whole number of {rpn}-rank nodes of {cluster.name}")
+        else:
+            result.append(Layout(count // rpn, rpn, tp))
+    return result
+
+
+def resolve_batch(
+    dp: int, batch_size: int | None, update_freq: int | None, global_batch_size: int | None
+) -> tuple[int, int]:
+    """(micro-batch per replica, micro-batches per update) from the flags, as distlm.train
+    reads them; a global batch is split over the data-parallel replicas."""
+    if global_batch_size is None:
+        return batch_size or 16, update_freq or 1
+    per_replica, rest = divmod(global_batch_size, dp)
+    if rest or per_replica == 0:
+        raise UsageError(f"--global-batch-size {global_batch_size} does not split over {dp} data-parallel replicas")
+    micro = batch_size or max(1, per_replica // (update_freq or 1))
+    steps, rest = divmod(per_replica, micro)
+    if rest or (update_freq is not None and steps != update_freq):
+        raise UsageError(
+            f"--global-batch-size {global_batch_size} is {per_replica} samples per replica at dp {dp}, "
+            f"not a whole number of --batch-size {micro} micro-batches"
+            + (f" x --update-freq {update_freq}" if update_freq is not None else "")
+        )
+    return micro, steps
