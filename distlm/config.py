@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
 
+from distlm.choices import CHOICES
 from distlm.errors import UsageError
 
 
@@ -145,9 +146,33 @@ class DistributedConfig:
 @dataclass
 class CheckpointConfig:
     save_dir: str = "checkpoints"
-    """Directory for checkpoint_last.pt and numbered checkpoints; a run resumes from checkpoint_last.pt."""
+    """Directory of checkpoints (each a directory of shards); a run resumes from its checkpoint_last."""
     save_interval_updates: int = 0
-    """Also save checkpoint_<update>.pt every N updates (0: only checkpoint_last.pt at the end)."""
+    """Also save checkpoint_<updates> every N updates (0: never)."""
+    save_interval: int = 1
+    """Save checkpoint<epoch> at the end of every N epochs."""
+    no_epoch_checkpoints: bool = False
+    """Save no checkpoint<epoch> at the ends of epochs (checkpoint_last is still saved)."""
+    no_last_checkpoints: bool = False
+    """Do not save checkpoint_last."""
+    keep_interval_updates: int = -1
+    """Keep only the newest N checkpoint_<updates> (-1: keep all)."""
+    keep_last_epochs: int = -1
+    """Keep only the newest N checkpoint<epoch> (-1: keep all)."""
+    async_save: bool = False
+    """Stage checkpoints in host memory and write them in the background while training goes on."""
+    restore_file: str = "checkpoint_last"
+    """Checkpoint to resume from: a name inside --save-dir or a path (default: --save-dir's checkpoint_last, if any)."""
+    reset_optimizer: bool = False
+    """Resume the weights but start the optimizer, loss scaler and update count afresh."""
+    reset_lr_scheduler: bool = False
+    """Start the learning-rate schedule (warmup included) again from the resumed update."""
+    reset_dataloader: bool = False
+    """Start the data from the first sample of the first epoch again."""
+    reset_meters: bool = False
+    """Start the wall-clock meters afresh."""
+    finetune_from_model: str | None = None
+    """Start from this checkpoint's weights only (when --save-dir holds no checkpoint to resume)."""
     no_save: bool = False
     """Neither save nor resume checkpoints."""
 
@@ -189,21 +214,6 @@ class TrainConfig:
 
 SECTIONS: dict[str, type] = {
     name: kind for name, kind in get_type_hints(TrainConfig).items() if dataclasses.is_dataclass(kind)
-}
-
-# Value sets checked before anything starts, so a typo fails in a second, not after rendezvous.
-CHOICES = {
-    "task": ("masked_lm", "causal_lm"),
-    "sample_break_mode": ("none", "complete", "eos"),
-    "optimizer": ("adam", "adamw"),
-    "lr_scheduler": ("polynomial_decay", "cosine", "fixed"),
-    "device": ("auto", "cpu", "cuda", "neuron"),
-    "strategy": ("ddp", "fsdp", "zero1"),
-    "ddp_backend": ("c10d", "pytorch_ddp"),
-    "network": ("auto", "efa", "tcp"),
-    "comm_hook": ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16"),
-    "comm_transport": ("torch", "mpi"),
-    "log_format": ("json", "simple", "tqdm"),
 }
 
 # fairseq spells a few settings differently; these names are accepted as aliases.
@@ -346,7 +356,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         config.data.data = args.data_positional
     if args.criterion is not None:
         _apply_criterion(config, args.criterion)
-    validate(config)
+    check_settings(config)
     return config
 
 
@@ -359,8 +369,19 @@ def _apply_criterion(config: TrainConfig, criterion: str) -> None:
     config.data.task = implied
 
 
-def validate(config: TrainConfig) -> None:
-    """Checks that need no process group and no model; each failure names its flag."""
+def arch_overrides(model: ModelConfig) -> dict[str, Any]:
+    """The model settings given on the command line, as overrides of the named arch's config."""
+    return {
+        name: value
+        for name, value in (("dropout", model.dropout), ("attention_dropout", model.attention_dropout))
+        if value is not None
+    }
+
+
+def check_settings(config: TrainConfig) -> None:
+    """Checks of each setting on its own (no launch, no hardware); each failure names its flag.
+
+    ``distlm.validation.validate`` runs these and the checks that need the launch."""
     for section in SECTIONS:
         for name, allowed in CHOICES.items():
             value = getattr(getattr(config, section), name, None)
@@ -375,6 +396,7 @@ def validate(config: TrainConfig) -> None:
         "--batch-size": config.data.batch_size,
         "--update-freq": config.data.update_freq,
         "--log-interval": config.logging.log_interval,
+        "--save-interval": config.checkpoint.save_interval,
     }
     for flag, value in positive.items():
         if value < 1:

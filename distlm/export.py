@@ -1,8 +1,11 @@
-"""``python -m distlm.export --checkpoint PATH --out FILE.safetensors``: consolidated model weights.
+"""``python -m distlm.export --checkpoint PATH --out FILE.safetensors``: the model's weights in one file.
 
-Parameter names are those of the single-device model (no ``module.`` or compile
-prefixes), so they stay stable whatever strategy trained the model. Tied weights are
-stored once; the names that alias them are listed in the file's metadata.
+``PATH`` is a checkpoint directory, a save dir (meaning its ``checkpoint_last``) or a
+checkpoint of the old single-file format. Parameter names are those of the
+single-device model, stable whatever strategy trained it. Tensors are read from the
+shards one at a time and never the optimizer's, so exporting needs about one copy of
+the weights in memory and no process group. Tied weights are stored once; the names
+that alias them are listed in the file's metadata.
 """
 
 from __future__ import annotations
@@ -12,47 +15,32 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from distlm import checkpoint
+from distlm.checkpoint import CheckpointReader
 from distlm.config import OneLineErrorParser
 from distlm.errors import UsageError
 
 
-def consolidated_weights(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop tensors that share storage with an earlier one (tied weights); report the aliases."""
-    weights: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        weights[name] = tensor.detach().contiguous()
-    return weights, aliases
-
-
 def export(checkpoint_path: str, out: str) -> Path:
-    source, target = Path(checkpoint_path), Path(out)
-    if source.is_dir():
-        raise UsageError(f"--checkpoint {checkpoint_path} is a directory; name a file such as {source / checkpoint.LAST}")
-    if not source.is_file():
-        raise UsageError(f"--checkpoint {checkpoint_path}: no such file")
+    target = Path(out)
     if target.is_dir():
         raise UsageError(f"--out {out} is a directory; name the .safetensors file to write")
-    state = checkpoint.load(checkpoint_path)
-    weights, aliases = consolidated_weights(state["model"])
+    try:
+        reader = CheckpointReader(checkpoint_path)
+    except UsageError as err:
+        raise UsageError(f"--checkpoint {err}") from None
+    meta = reader.meta
+    aliases = meta.get("tied_weights") or {}
+    weights = {name: tensor.contiguous() for name, tensor in reader.model_tensors() if name not in aliases}
     metadata = {
         "format": "distlm",
-        "arch": state["arch"],
-        "task": state["task"],
-        "num_updates": str(state["num_updates"]),
+        "arch": meta["arch"],
+        "task": meta["task"],
+        "num_updates": str(meta["progress"]["num_updates"]),
         "tied_weights": json.dumps(aliases),
-        "dictionary": json.dumps(state["dictionary"]),
+        "dictionary": json.dumps(meta.get("dictionary")),
     }
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +52,8 @@ def export(checkpoint_path: str, out: str) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m distlm.export", description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a distlm checkpoint, e.g. checkpoints/checkpoint_last.pt")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint directory, or a save dir (its checkpoint_last), e.g. checkpoints")
     parser.add_argument("--out", required=True, help="output .safetensors file")
     try:
         args = parser.parse_args(argv)

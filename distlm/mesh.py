@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distlm.choices import STRATEGIES
 from distlm.errors import UsageError
-
-STRATEGIES = ("ddp", "zero1", "fsdp")
 
 
 @dataclass

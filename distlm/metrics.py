@@ -18,23 +18,30 @@ LN2 = math.log(2)
 
 
 class TrainStats:
-    """Sums since the last log line; ``reduce`` adds them over the data-parallel group at once."""
+    """Sums since the last log line; ``reduce`` adds them over the data-parallel group at once.
+
+    The loss stays on the device until ``reduce``; the counts are host numbers known
+    from the batches. So collecting statistics costs no host synchronisation per update,
+    only one per log line.
+    """
 
     FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples")
 
-    def __init__(self) -> None:
-        self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64)
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.counts = [0, 0, 0]
         self.updates = 0
         self.started = time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, target_tokens: int, input_tokens: int, samples: int) -> None:
-        self.sums += torch.tensor(
-            [float(loss_sum), target_tokens, input_tokens, samples], dtype=torch.float64
-        )
+        self.loss_sum += loss_sum.to(device=self.device, dtype=torch.float64)
+        for i, count in enumerate((target_tokens, input_tokens, samples)):
+            self.counts[i] += count
         self.updates += 1
 
     def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        sums = self.sums.clone()
+        sums = torch.cat([self.loss_sum.reshape(1), torch.tensor(self.counts, dtype=torch.float64, device=self.device)])
         if group is not None:
             # One collective for every statistic (this is what fairseq's --fast-stat-sync asks for).
             dist.all_reduce(sums, group=group)
@@ -43,14 +50,34 @@ class TrainStats:
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
         return {
             "loss": round(loss, 4),
-            "ppl": round(2**loss, 2),
+            "ppl": round(perplexity(loss), 2),
             "wps": round(values["input_tokens"] / elapsed, 1),
             "ups": round(self.updates / elapsed, 3),
             "bsz": values["samples"] / max(self.updates, 1),
         }
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(self.device)
+
+
+def perplexity(loss_bits: float) -> float:
+    """2**loss, inf once it exceeds what a float holds (never OverflowError), nan for nan."""
+    try:
+        return 2.0**loss_bits
+    except OverflowError:
+        return math.inf
+
+
+def strict_json(value):
+    """``value`` with non-finite floats written as the strings "inf", "-inf" and "nan"
+    (strict JSON has no such numbers; Python's json would print Infinity/NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 class Printer:
@@ -78,7 +105,7 @@ class Printer:
         elif self.format == "simple":
             print(self._simple(kind, record), flush=True)
         else:
-            print(json.dumps({"kind": kind, **record}), flush=True)
+            print(json.dumps(strict_json({"kind": kind, **record}), allow_nan=False), flush=True)
 
     @staticmethod
     def _simple(kind: str, record: dict) -> str:

@@ -3,21 +3,58 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 
 from distlm.config import OptimConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig, param_dtype: torch.dtype) -> torch.optim.Optimizer:
+@dataclass(frozen=True)
+class AdamWSettings:
+    """AdamW's hyperparameters, as plain values for the strategies that build optimizers."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig) -> "AdamWSettings":
+        return cls(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], settings: AdamWSettings, param_dtype: torch.dtype
+) -> torch.optim.Optimizer:
     """AdamW; fairseq's ``adam`` is AdamW too (decoupled weight decay on every parameter)."""
     params = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if param_dtype == torch.float16:
-        return Fp32StateAdamW(params, **kwargs)
+        return Fp32StateAdamW(params, **settings.kwargs())
     # torch's multi-tensor kernel: one launch per parameter group instead of one per tensor.
-    return torch.optim.AdamW(params, foreach=True, **kwargs)
+    return torch.optim.AdamW(params, foreach=True, **settings.kwargs())
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's state (step and both moments, zero) for every parameter that has none.
+
+    The tensors are laid out as the optimizer's first step would lay them out (sharded
+    like their DTensor parameters), so a checkpoint can be loaded into them in place.
+    ``Fp32StateAdamW`` keeps fp32 moments; torch's AdamW keeps the parameter's dtype.
+    """
+    moment_dtype = torch.float32 if isinstance(optimizer, Fp32StateAdamW) else None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, dtype=moment_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=moment_dtype, memory_format=torch.preserve_format)
 
 
 class Fp32StateAdamW(torch.optim.Optimizer):

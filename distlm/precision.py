@@ -61,6 +61,11 @@ class Precision:
         scaler = DynamicLossScaler(init_scale, scale_window, min_scale) if "fp16" in mode else None
         return cls(mode, scaler)
 
+    @classmethod
+    def from_config(cls, mode: str, settings) -> "Precision":
+        """From the precision mode and a ``PrecisionConfig`` (loss-scaler settings)."""
+        return cls.from_mode(mode, settings.fp16_init_scale, settings.fp16_scale_window, settings.min_loss_scale)
+
     @property
     def param_dtype(self) -> torch.dtype:
         """fp16 weights only for memory-efficient fp16; every other mode keeps fp32 weights."""
@@ -75,8 +80,9 @@ class Precision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     @contextlib.contextmanager
-    def autocast(self, device_type: str) -> Iterator[None]:
-        if self.autocast_dtype is None:
+    def autocast(self, device_type: str, enabled: bool = True) -> Iterator[None]:
+        """Autocast to the mode's half type; ``enabled=False`` where the strategy casts itself (FSDP)."""
+        if self.autocast_dtype is None or not enabled:
             yield
             return
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):

@@ -58,9 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
         from distlm.backends.base import DistributedInitError
-        from distlm.trainer import CollectiveFailure
+        from distlm.checkpoint import CheckpointError
+        from distlm.distributed import CollectiveFailure
 
-        if not isinstance(exc, (DistributedInitError, CollectiveFailure)):
+        if not isinstance(exc, (DistributedInitError, CollectiveFailure, CheckpointError)):
             raise
         print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -108,11 +108,20 @@ def test_save_dir_of_another_arch_is_refused_and_left_untouched(data_dir, tmp_pa
     base = ["--data", data_dir, "--save-dir", str(tmp_path), "--max-update", "1", "--device", "cpu",
             "--tokens-per-sample", "32", "--batch-size", "2"]
     assert main(base + ["--arch", "roberta_tiny"]) == 0
-    before = hashlib.sha256((tmp_path / "checkpoint_last.pt").read_bytes()).hexdigest()
+    before = tree_digest(tmp_path / "checkpoint_last")
     capsys.readouterr()
     code, lines = run_main(base + ["--arch", "llama_tiny"], capsys)
     assert code == 2 and len(lines) == 1 and "--save-dir" in lines[0], lines
-    assert hashlib.sha256((tmp_path / "checkpoint_last.pt").read_bytes()).hexdigest() == before
+    assert tree_digest(tmp_path / "checkpoint_last") == before
+
+
+def tree_digest(directory) -> str:
+    """One hash over every file's name and bytes under ``directory``."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 def test_corrupt_checkpoint_is_a_one_line_error(data_dir, tmp_path, capsys):

@@ -13,7 +13,7 @@ import torch
 from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
-from distlm.checkpoint import consolidated_parameters
+from distlm.parallel.full_state import consolidated_parameters
 from distlm.trainer import Trainer
 
 UPDATES = 5

@@ -61,7 +61,7 @@ def test_hook_trains_like_one_process(data_dir, tmp_path, hook, world_size):
 def train_double_buffered(args: list[str]) -> dict:
     """Five steps with --double-buffering: the first applies nothing, the rest one-step-stale gradients."""
     from distlm.config import parse_args
-    from distlm.parallel.api import unwrap
+    from distlm.parallel.names import unwrap
     from distlm.trainer import Trainer
 
     trainer = Trainer(parse_args(args))

@@ -85,12 +85,20 @@ def test_export_holds_the_checkpoint_under_single_device_names(trained, tmp_path
 class TiedLM(torch.nn.Module):
     """A user model whose output projection is registered as the embedding itself."""
 
+    task = "causal_lm"
+    max_positions = 64
+    padding_idx = 1
+
     def __init__(self, vocab_size: int, dim: int = 16):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab_size, dim)
         self.norm = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.embed.weight
+
+    def init_weights(self) -> None:
+        self.embed.reset_parameters()
+        self.norm.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.embed(input_ids)))

@@ -8,7 +8,8 @@ import pytest
 
 from distributed import run_distributed
 from distlm.config import parse_args
-from distlm.trainer import CollectiveFailure, Trainer
+from distlm.distributed import CollectiveFailure
+from distlm.trainer import Trainer
 from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
 
 TIMEOUT_SEC = 3
@@ -18,13 +19,13 @@ def one_rank_stalls(args: list[str]) -> str:
     """Rank 1 stalls past the timeout instead of joining update 1; rank 0 must give up, not hang."""
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
-    if trainer.env.rank == 1:
+    if trainer.ctx.rank == 1:
         # Long after rank 0's timeout: rank 0 must fail on the timeout, not on this rank leaving.
         time.sleep(5 * TIMEOUT_SEC)
         return "stalled"
     started = time.monotonic()
     with pytest.raises(CollectiveFailure) as failure:
-        with trainer._naming_ranks_on_collective_failure():
+        with trainer.ctx.naming_failed_collectives(1):
             trainer.train_step(next(batches))
     return f"{time.monotonic() - started:.1f}|{failure.value}"
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,13 +22,9 @@ from distributed import run_distributed
 from distlm.errors import UsageError
 from distlm.memory import memory_report, zero_formula_bytes
 from distlm.models import build_model
-from distlm.checkpoint import (
-    full_optimizer_state_dict,
-    full_state_dict,
-    load_full_optimizer_state_dict,
-    load_full_state_dict,
-)
-from distlm.parallel.api import gradient_sync
+from distlm.checkpoint.state import load_model_state, model_state, optimizer_state, optimizer_state_to_load
+from distlm.parallel.full_state import full_state_dict, load_full_state_dict
+from distlm.parallel.handle import gradient_sync
 from distlm.parallel.fsdp import apply_fsdp, check_cpu_offload, fsdp_dtypes
 
 # 65 is odd on purpose: the embedding and output rows and RoBERTa's LM-head bias then
@@ -154,7 +151,7 @@ def local_numel(shape: torch.Size, rank: int, world: int) -> tuple[int, int]:
 # ---------------------------------------------------------------- the 2-rank job
 
 
-def _fsdp_job(batches: dict[str, list]) -> dict:
+def _fsdp_job(batches: dict[str, list], checkpoint_dir: str) -> dict:
     dist.init_process_group("gloo")
     from distlm.mesh import ParallelDims
 
@@ -179,15 +176,25 @@ def _fsdp_job(batches: dict[str, list]) -> dict:
             "full_everywhere": full_state_dict(model, rank0_only=False),
             "optimizer_tensors": len(optimizer.state),
         }
-        # Round trip through the gathered state (the checkpoint path) into a model
-        # initialised differently: one more update must then be bit-identical.
-        # RoBERTa loads from rank 0 only (broadcast); Llama from every rank.
-        from_rank0 = arch.startswith("roberta")
-        osd = full_optimizer_state_dict(model, optimizer, rank0_only=from_rank0)
-        result["optimizer_state"] = osd if rank == 0 else None
+        # Round trip through the sharded checkpoint state (each rank writes and reads its own
+        # shards) into a model initialised differently: one more update must then be bit-identical.
+        path = f"{checkpoint_dir}/{arch}"
+        dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=path)
         resumed, resumed_optimizer = sharded(arch, seed=99)
-        load_full_state_dict(resumed, result["full"] if from_rank0 else result["full_everywhere"], from_rank0=from_rank0)
-        load_full_optimizer_state_dict(resumed, resumed_optimizer, osd, from_rank0=from_rank0)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        loaded = {"model": model_state(resumed), "optimizer": optimizer_state_to_load(resumed, resumed_optimizer, set(saved))}
+        dcp.load(loaded, checkpoint_id=path)
+        load_model_state(resumed, loaded["model"])
+        result["optimizer_shapes"] = {
+            key.removeprefix("optimizer.").removesuffix(".exp_avg"): tuple(meta.size)
+            for key, meta in saved.items() if key.startswith("optimizer.") and key.endswith(".exp_avg")
+        }
+        # The whole-state path (materialising a meta model from rank 0) restores the same weights.
+        whole, _ = sharded(arch, seed=98)
+        load_full_state_dict(whole, result["full"], from_rank0=True)
+        result["whole_identical"] = all(
+            torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), whole.parameters())
+        )
         for m, opt in ((model, optimizer), (resumed, resumed_optimizer)):
             train(m, opt, arch, batches[arch][:1], rank, DP)
         result["resume_identical"] = all(
@@ -264,8 +271,8 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def ranks(batches) -> list[dict]:
-    return run_distributed(_fsdp_job, DP, batches, timeout=150.0)
+def ranks(batches, tmp_path_factory) -> list[dict]:
+    return run_distributed(_fsdp_job, DP, batches, str(tmp_path_factory.mktemp("fsdp_checkpoints")), timeout=150.0)
 
 
 def assert_params_close(actual: dict, expected: dict, atol: float = PARAM_ATOL) -> None:
@@ -307,16 +314,17 @@ def test_tied_lm_head_stays_tied(ranks, reference):
     torch.testing.assert_close(rows, expected["embed_tokens.weight"][:4], rtol=0, atol=EMULATED_ATOL)
 
 
-def test_full_state_round_trip_resumes_bit_exactly(ranks, reference):
-    """Gathered model + optimizer state loaded into a differently initialised FSDP model
-    (from rank 0 by broadcast for RoBERTa, from every rank for Llama) gives the same next update."""
+def test_sharded_state_round_trip_resumes_bit_exactly(ranks, reference):
+    """Sharded model + optimizer state saved and loaded into a differently initialised FSDP
+    model gives the same next update; whole weights broadcast from rank 0 load the same."""
     for arch in ARCHS:
         assert ranks[0][arch]["resume_identical"] and ranks[1][arch]["resume_identical"], arch
-        state = ranks[0][arch]["optimizer_state"]["state"]
+        assert ranks[0][arch]["whole_identical"] and ranks[1][arch]["whole_identical"], arch
+        shapes = ranks[0][arch]["optimizer_shapes"]
         # Keyed by single-device names, full (unsharded) shapes.
-        assert set(state) == set(reference[arch]["params"]) - {"rope_cos", "rope_sin"}
-        for name, entry in state.items():
-            assert tuple(entry["exp_avg"].shape) == tuple(reference[arch]["params"][name].shape)
+        assert set(shapes) == set(reference[arch]["params"]) - {"rope_cos", "rope_sin"}
+        for name, shape in shapes.items():
+            assert shape == tuple(reference[arch]["params"][name].shape)
 
 
 def test_accumulation_syncs_on_last_micro_batch_only(ranks, reference):
@@ -438,13 +446,11 @@ def test_gathered_state_is_a_copy_that_keeps_ties():
     optimizer = adamw(model)
     loss_sum(model, "llama_tiny", make_batches("llama_tiny")[0]).backward()
     optimizer.step()
-    full, state = full_state_dict(model), full_optimizer_state_dict(model, optimizer)
+    full = full_state_dict(model)
     assert full["output.weight"] is full["tok_embeddings.weight"]
     before = {k: v.clone() for k, v in full.items()}
-    step = float(state["state"]["norm.weight"]["step"])
     optimizer.step()
     assert all(torch.equal(before[k], full[k]) for k in full)
-    assert float(state["state"]["norm.weight"]["step"]) == step
 
 
 def test_precision_modes_map_to_policies():

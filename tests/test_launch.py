@@ -23,7 +23,7 @@ from distributed import run_distributed
 from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.env import find_free_port
-from distlm.parallel.api import unwrap
+from distlm.parallel.names import unwrap
 from distlm.trainer import Trainer
 from test_ddp import data_dir  # noqa: F401 - shared fixture
 
@@ -245,7 +245,7 @@ def test_resume_on_a_different_world_size(data_dir, two_rank_job, tmp_path):  # 
     two_rank_dir, _ = two_rank_job
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copy(two_rank_dir / checkpoint.LAST, resumed / checkpoint.LAST)
+    shutil.copytree(two_rank_dir / checkpoint.LAST, resumed / checkpoint.LAST)
     fit(args_for(data_dir, resumed, 8, 4))
     fit(args_for(data_dir, tmp_path / "straight", 8, 4))
     after, reference = last_checkpoint(resumed), last_checkpoint(tmp_path / "straight")

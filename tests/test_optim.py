@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distlm.config import OptimConfig
-from distlm.optim import Fp32StateAdamW, LRSchedule, build_optimizer
+from distlm.optim import AdamWSettings, Fp32StateAdamW, LRSchedule, build_optimizer
 
 FP16_TINY = torch.finfo(torch.float16).smallest_normal * 2.0**-10  # smallest subnormal, 5.96e-8
 
@@ -164,7 +164,7 @@ def test_build_optimizer_picks_by_weight_dtype_and_passes_hyperparameters(dtype,
     cfg = OptimConfig(lr=3e-4, adam_betas=(0.9, 0.95), adam_eps=1e-7, weight_decay=0.05)
     frozen = torch.nn.Parameter(torch.zeros(2, dtype=dtype), requires_grad=False)
     trained = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
-    opt = build_optimizer([frozen, trained], cfg, dtype)
+    opt = build_optimizer([frozen, trained], AdamWSettings.from_config(cfg), dtype)
     assert type(opt) is kind
     (group,) = opt.param_groups
     assert group["params"] == [trained]  # frozen weights are not handed to the optimizer

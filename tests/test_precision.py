@@ -14,7 +14,7 @@ import torch
 from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.optim import Fp32StateAdamW
-from distlm.parallel.api import unwrap
+from distlm.parallel.names import unwrap
 from distlm.precision import DynamicLossScaler, Precision, grads_are_finite
 from distlm.trainer import Trainer
 from test_ddp import data_dir  # noqa: F401 - shared fixture
@@ -211,7 +211,7 @@ def test_overflow_skips_the_update_halves_the_scale_and_training_continues(data_
     }
     consumed = trainer.consumed_samples
 
-    real_loss_sum = trainer._loss_sum
+    real_loss_sum = trainer.compute_loss
     poisoned = []
 
     def loss_sum_once_infinite(batch):
@@ -221,7 +221,7 @@ def test_overflow_skips_the_update_halves_the_scale_and_training_continues(data_
             return loss * math.inf
         return loss
 
-    trainer._loss_sum = loss_sum_once_infinite
+    trainer.compute_loss = loss_sum_once_infinite
     skipped = trainer.train_step(next(batches))
     assert poisoned
     assert not math.isfinite(skipped["gnorm"])
@@ -247,8 +247,8 @@ def test_overflow_skips_the_update_halves_the_scale_and_training_continues(data_
 
 def test_repeated_overflow_stops_with_floating_point_error(data_dir, tmp_path):
     trainer = make_trainer(data_dir, tmp_path, "fp16", extra=["--fp16-init-scale", "1", "--min-loss-scale", "0.75"])
-    real_loss_sum = trainer._loss_sum
-    trainer._loss_sum = lambda batch: real_loss_sum(batch) * math.inf
+    real_loss_sum = trainer.compute_loss
+    trainer.compute_loss = lambda batch: real_loss_sum(batch) * math.inf
     with pytest.raises(FloatingPointError, match="--min-loss-scale 0.75"):
         trainer.train_step(next(trainer.update_batches()))
     assert trainer.num_updates == 0

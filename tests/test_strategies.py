@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from distributed import run_distributed
 from distlm import checkpoint, export
-from distlm.checkpoint import consolidated_parameters
+from distlm.parallel.full_state import consolidated_parameters
 from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.memory import zero_formula_bytes
@@ -34,7 +34,7 @@ def train_and_export(args: list[str], export_to: str) -> dict:
     gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(UPDATES)]
     trainer.save_checkpoint()  # collective: gathers every shard (and ZeRO-1's optimizer partitions)
     result = {"gnorms": gnorms, "params": consolidated_parameters(trainer.model)}
-    if trainer.is_main:
+    if trainer.ctx.is_main:
         export.export(str(Path(trainer.config.checkpoint.save_dir) / checkpoint.LAST), export_to)
         with safe_open(export_to, "pt") as exported:
             aliases = json.loads(exported.metadata()["tied_weights"])
@@ -97,7 +97,7 @@ def resume_under(args: list[str], updates: int) -> dict:
     for _ in range(updates):
         trainer.train_step(next(batches))
     trainer.save_checkpoint()
-    return {"resumed_at": trainer.resume_state and trainer.resume_state["num_updates"],
+    return {"resumed_at": trainer.resumed_at,
             "params": consolidated_parameters(trainer.model)}
 
 
@@ -130,7 +130,7 @@ def test_resume_on_another_layout_seeds_dropout_by_replica(data_dir, tmp_path):
 
 
 def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(data_dir, tmp_path):
-    """A node-local --save-dir: rank 0 finds checkpoint_last.pt, rank 1 (another node's disk,
+    """A node-local --save-dir: rank 0 finds checkpoint_last, rank 1 (another node's disk,
     here another directory) does not. Resuming on some ranks only would desynchronise their
     collectives (a hang), so both refuse with the same one-line error."""
     base = [a for a in common_args(data_dir, str(tmp_path / "unused"), "roberta_tiny") if a != "--no-save"]
@@ -138,7 +138,7 @@ def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(data_dir, tmp
     Trainer(parse_args(base + ["--save-dir", str(tmp_path / "node0")])).save_checkpoint()
     errors = run_distributed(_trainer_error_with_save_dir_per_rank, 2, base, str(tmp_path))
     for rank, error in enumerate(errors):
-        assert error.startswith(f"--save-dir {tmp_path}/node{rank}: checkpoint_last.pt is there on ranks [0] only;"), error
+        assert error.startswith(f"--save-dir {tmp_path}/node{rank}: checkpoint_last is there on ranks [0] only;"), error
 
 
 def _trainer_error_with_save_dir_per_rank(args: list[str], root: str) -> str:
@@ -163,7 +163,7 @@ def test_a_drift_in_one_group_stops_every_rank(data_dir, tmp_path):
 def _drift_on_rank_2(args: list[str]) -> str:
     trainer = Trainer(parse_args(args))
     trainer.train_step(next(trainer.update_batches()))
-    if trainer.env.rank == 2:
+    if trainer.ctx.rank == 2:
         with torch.no_grad():
             trainer.model.layers[0].attention.wq.weight.to_local().add_(1.0)
     with pytest.raises(RuntimeError, match="--check-replicas") as caught:
@@ -185,23 +185,25 @@ def test_tensor_parallel_gradients_and_replicated_copies(data_dir, tmp_path):
 
 
 def _tensor_parallel_probe(args: list[str]) -> dict:
+    import distlm.builder
+
     whole_models = []
-    build_whole = Trainer._whole_initialised_model_on_cpu
+    initialise = distlm.builder._on_device
 
-    def counted(self):
-        whole_models.append(1)
-        return build_whole(self)
+    def counted(model, device, *args):
+        whole_models.append(device)
+        return initialise(model, device, *args)
 
-    Trainer._whole_initialised_model_on_cpu = counted
+    distlm.builder._on_device = counted
     trainer = Trainer(parse_args(args + ["--batch-size", "4", "--tp-degree", "2", "--log-interval", "1"]))
     trainer.train_step(next(trainer.update_batches()))
     model = trainer.model
     with torch.no_grad():
-        if trainer.env.rank == 1:
+        if trainer.ctx.rank == 1:
             # Shards differ by design: a change to one rank's shard of wq is not a replica drifting.
             model.layers[0].attention.wq.weight.to_local().add_(1.0)
         trainer.check_replicas()
-        if trainer.env.rank == 1:
+        if trainer.ctx.rank == 1:
             model.norm.weight.add_(1e-7)  # a replicated norm: every tp rank must hold the same bits
     with pytest.raises(RuntimeError, match="--check-replicas") as caught:
         trainer.check_replicas()
@@ -268,7 +270,7 @@ def test_activation_checkpointing_recomputes_the_same_training(data_dir, tmp_pat
 def saved_activation_bytes(args: list[str]) -> int:
     """Bytes autograd keeps for backward after one forward of the Trainer's model."""
     trainer = Trainer(parse_args(args))
-    batch = {k: v.to(trainer.device) for k, v in next(trainer.update_batches())[0].items()}
+    input_ids = next(trainer.update_batches())[0]["input_ids"].to(trainer.ctx.device)
     saved = 0
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,7 +279,7 @@ def saved_activation_bytes(args: list[str]) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        trainer.model(batch["input_ids"])
+        trainer.model(input_ids)
     return saved
 
 

@@ -240,17 +240,18 @@ def test_tp2_equals_single_process(references):
 
 
 def test_validate_tp_names_flag_and_dimension():
-    validate_tp(ARCHS["llama_tiny"][1], 2, arch="llama_tiny")
-    validate_tp(ARCHS["roberta_tiny"][1], 4, arch="roberta_tiny")
-    with pytest.raises(UsageError, match=r"^--tp-degree 4 does not divide n_heads 6 of --arch llama_tiny$"):
-        validate_tp(ARCHS["llama_tiny"][1], 4, arch="llama_tiny")
-    with pytest.raises(UsageError, match=r"^--tp-degree 3 does not divide n_kv_heads 2 of --arch llama_tiny$"):
-        validate_tp(ARCHS["llama_tiny"][1], 3, arch="llama_tiny")
     with torch.device("meta"):
+        llama, roberta_tiny = build_model("llama_tiny", vocab_size=VOCAB), build_model("roberta_tiny", vocab_size=VOCAB)
         roberta = build_model("roberta_tiny", vocab_size=VOCAB, n_heads=6, ffn_dim=771)
+        short = build_model("roberta_tiny", vocab_size=VOCAB, max_positions=510)
+    validate_tp(llama, 2, arch="llama_tiny")
+    validate_tp(roberta_tiny, 4, arch="roberta_tiny")
+    with pytest.raises(UsageError, match=r"^--tp-degree 4 does not divide n_heads 6 of --arch llama_tiny$"):
+        validate_tp(llama, 4, arch="llama_tiny")
+    with pytest.raises(UsageError, match=r"^--tp-degree 3 does not divide n_kv_heads 2 of --arch llama_tiny$"):
+        validate_tp(llama, 3, arch="llama_tiny")
     with pytest.raises(UsageError, match="does not divide ffn_dim 771 of RobertaMaskedLM"):
         validate_tp(roberta, 2)
-    short = dataclasses.replace(ARCHS["roberta_tiny"][1], max_positions=510)
     validate_tp(short, 4, sequence_parallel=True, tokens_per_sample=508)
     with pytest.raises(UsageError, match="pads --tokens-per-sample 509 to 512, .* beyond the 510 positions"):
         validate_tp(short, 4, sequence_parallel=True, tokens_per_sample=509)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from distributed import run_distributed
 from distlm.config import OptimConfig
 from distlm.models import build_model
-from distlm.optim import LRSchedule, build_optimizer
+from distlm.optim import AdamWSettings, LRSchedule, build_optimizer
 
 UPDATES = 5
 SAVE_AT = 3  # the checkpoint is taken after this update and resumed for the rest
@@ -70,7 +70,7 @@ def reference(arch: str) -> dict:
     """Single process, plain AdamW (distlm.optim), whole global batch."""
     cfg = optim_config()
     model = new_model(arch)
-    optimizer = build_optimizer(model.parameters(), cfg, torch.float32)
+    optimizer = build_optimizer(model.parameters(), AdamWSettings.from_config(cfg), torch.float32)
     schedule = LRSchedule(cfg)
     out = {}
     for update in range(1, UPDATES + 1):
@@ -112,7 +112,7 @@ def _zero1_job(archs: list[str], save_dir: str) -> dict:
     dist.init_process_group("gloo")
     out = {arch: _zero1_run(arch, os.path.join(save_dir, f"{arch}.pt")) for arch in archs}
     out["fp16"] = _zero1_fp16_run()
-    out["frozen"] = _zero1_frozen_checkpoint_run()
+    out["frozen"] = _zero1_frozen_checkpoint_run(save_dir)
     return out
 
 
@@ -129,12 +129,12 @@ def _zero1_run(arch: str, save_path: str) -> dict:
     # Baseline in the same job: DDP + plain AdamW.
     baseline = new_model(arch)
     ddp = apply_ddp(baseline, cpu, dist.group.WORLD, 25.0)
-    _train_ddp(ddp, build_optimizer(ddp.parameters(), cfg, torch.float32), LRSchedule(cfg), 1, UPDATES)
+    _train_ddp(ddp, build_optimizer(ddp.parameters(), AdamWSettings.from_config(cfg), torch.float32), LRSchedule(cfg), 1, UPDATES)
     out["baseline"] = {n: p.detach().clone() for n, p in baseline.named_parameters()}
 
     model = new_model(arch)
     ddp = apply_ddp(model, cpu, dist.group.WORLD, 25.0)
-    optimizer = build_zero1_optimizer(ddp.parameters(), cfg, dist.group.WORLD, torch.float32)
+    optimizer = build_zero1_optimizer(ddp.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float32)
     assert isinstance(optimizer, Zero1Optimizer)
     names = {p: n for n, p in model.named_parameters()}
 
@@ -164,7 +164,7 @@ def _zero1_run(arch: str, save_path: str) -> dict:
     resumed = new_model(arch, seed=99)
     resumed.load_state_dict(checkpoint["model"])
     ddp = apply_ddp(resumed, cpu, dist.group.WORLD, 25.0)
-    optimizer = build_zero1_optimizer(ddp.parameters(), cfg, dist.group.WORLD, torch.float32)
+    optimizer = build_zero1_optimizer(ddp.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float32)
     optimizer.load_state_dict(checkpoint["optimizer"])
     resumed_names = {p: n for n, p in resumed.named_parameters()}
     out["resumed_owned"] = sorted(resumed_names[p] for p in optimizer.state)
@@ -187,7 +187,7 @@ def _zero1_fp16_run() -> dict:
     cfg = optim_config()
     torch.manual_seed(0)
     half = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).half()
-    optimizer = build_zero1_optimizer(half.parameters(), cfg, dist.group.WORLD, torch.float16)
+    optimizer = build_zero1_optimizer(half.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float16)
     for p in half.parameters():
         p.grad = torch.full_like(p, 1e-3)  # as if all-reduced: the same on every rank
     optimizer.step()
@@ -202,10 +202,12 @@ def _zero1_fp16_run() -> dict:
     }
 
 
-def _zero1_frozen_checkpoint_run() -> dict:
+def _zero1_frozen_checkpoint_run(save_dir: str) -> dict:
     """A frozen parameter (here the first, the token embedding) has no optimizer state and no
     ZeRO-1 index: the checkpoint must still key every Adam moment by its own parameter's name."""
-    from distlm import checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    from distlm.checkpoint.state import model_state, optimizer_state, optimizer_state_to_load
     from distlm.parallel.ddp import apply_ddp
     from distlm.parallel.zero1 import build_zero1_optimizer
 
@@ -213,19 +215,19 @@ def _zero1_frozen_checkpoint_run() -> dict:
         model = new_model("llama_tiny")
         model.tok_embeddings.weight.requires_grad_(False)
         ddp = apply_ddp(model, torch.device("cpu"), dist.group.WORLD, 25.0)
-        return ddp, build_zero1_optimizer(ddp.parameters(), optim_config(), dist.group.WORLD, torch.float32)
+        return ddp, build_zero1_optimizer(ddp.parameters(), AdamWSettings.from_config(optim_config()), dist.group.WORLD, torch.float32)
 
     ddp, optimizer = build()
     _train_ddp(ddp, optimizer, LRSchedule(optim_config()), 1, 2)
-    model_state, optim_state = checkpoint.gather_train_state(ddp, optimizer)
-    states = [model_state, optim_state]
-    dist.broadcast_object_list(states, src=0)  # rank 0 alone received the gathered state
-    model_state, optim_state = states
+    path = os.path.join(save_dir, "frozen")
+    dcp.save({"model": model_state(ddp), "optimizer": optimizer_state(ddp, optimizer)}, checkpoint_id=path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     resumed, resumed_optimizer = build()
-    checkpoint.load_train_state(resumed, resumed_optimizer, model_state, optim_state)
+    dcp.load({"optimizer": optimizer_state_to_load(resumed, resumed_optimizer, set(saved))}, checkpoint_id=path)
     names = {p: n for n, p in resumed.module.named_parameters()}
     return {
-        "moment_shapes": {name: tuple(entry["exp_avg"].shape) for name, entry in optim_state["state"].items()},
+        "moment_shapes": {key.removeprefix("optimizer.").removesuffix(".exp_avg"): tuple(meta.size)
+                          for key, meta in saved.items() if key.endswith(".exp_avg")},
         "param_shapes": {n: tuple(p.shape) for n, p in ddp.module.named_parameters() if p.requires_grad},
         "own": {n: optimizer.state[p]["exp_avg"] for n, p in ddp.module.named_parameters() if p in optimizer.state},
         "resumed": {names[p]: entry["exp_avg"] for p, entry in resumed_optimizer.state.items()},
@@ -298,7 +300,7 @@ def _check_two_ranks(arch: str, ranks: list[dict]) -> None:
     # ...so a single process (or DDP) resumes from a ZeRO-1 checkpoint.
     model = new_model(arch, seed=99)
     model.load_state_dict(expected["model_at_save"])
-    optimizer = build_optimizer(model.parameters(), optim_config(), torch.float32)
+    optimizer = build_optimizer(model.parameters(), AdamWSettings.from_config(optim_config()), torch.float32)
     optimizer.load_state_dict(saved)
     schedule = LRSchedule(optim_config())
     for update in range(SAVE_AT + 1, UPDATES + 1):
@@ -366,7 +368,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
     def build(seed: int):
         model = new_model(arch, seed)
         parallelize_module(model, mesh["tp"], _tp_plan())
-        optimizer = build_zero1_optimizer(model.parameters(), cfg, dp_group, torch.float32)
+        optimizer = build_zero1_optimizer(model.parameters(), AdamWSettings.from_config(cfg), dp_group, torch.float32)
         assert isinstance(optimizer, Zero1Optimizer)
         return model, optimizer
 
@@ -472,5 +474,5 @@ def test_one_process_gets_plain_adamw():
     from distlm.parallel.zero1 import build_zero1_optimizer
 
     model = torch.nn.Linear(4, 4)
-    optimizer = build_zero1_optimizer(model.parameters(), optim_config(), None, torch.float32)
+    optimizer = build_zero1_optimizer(model.parameters(), AdamWSettings.from_config(optim_config()), None, torch.float32)
     assert type(optimizer) is torch.optim.AdamW

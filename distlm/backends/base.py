@@ -15,11 +15,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from distlm.choices import NETWORKS, PRECISIONS
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
-
-PRECISIONS = ("fp32", "fp16", "bf16", "memory_efficient_fp16")
-NETWORKS = ("auto", "efa", "tcp")
 
 
 class DistributedInitError(RuntimeError):

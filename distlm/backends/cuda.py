@@ -16,8 +16,8 @@ from typing import MutableMapping
 
 import torch
 
-from distlm.backends.base import Backend, check_precision_name
-from distlm.env import ClusterEnv
+from distlm.backends.base import Backend, check_network_name, check_precision_name
+from distlm.env import ClusterEnv, device_index
 from distlm.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,7 @@ def configure_network(
     ``efa`` requires an EFA device (no silent fallback to TCP); ``auto`` applies the
     preset when one exists and does nothing otherwise; ``tcp`` never touches it.
     """
-    if network not in ("auto", "efa", "tcp"):
-        raise UsageError(f"--network {network!r} is not one of auto, efa, tcp")
+    check_network_name(network)
     if network == "tcp":
         return {}
     found = efa_available(sysfs_root, use_fi_info)
@@ -168,7 +167,7 @@ class CudaBackend(Backend):
         return "cuda"
 
     def device(self, env: ClusterEnv) -> torch.device:
-        return torch.device("cuda", env.local_rank)
+        return torch.device("cuda", device_index(env.local_rank, env.local_world_size, torch.cuda.device_count()))
 
     def _require_cuda(self) -> None:
         if not torch.cuda.is_available():
@@ -184,15 +183,9 @@ class CudaBackend(Backend):
 
     def setup(self, env: ClusterEnv, precision: str, network: str = "auto") -> None:
         self._require_cuda()
-        visible = torch.cuda.device_count()
-        if env.local_rank >= visible:
-            raise UsageError(
-                f"local rank {env.local_rank} needs GPU {env.local_rank} but only {visible} are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-                "start at most one process per GPU"
-            )
-        torch.cuda.set_device(env.local_rank)
-        capability = torch.cuda.get_device_capability(env.local_rank)
+        index = device_index(env.local_rank, env.local_world_size, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        capability = torch.cuda.get_device_capability(index)
         check_cuda_precision(precision, capability)
         # Before the process group: NCCL and libfabric read these at communicator init.
         configure_network(network, os.environ, supports_gpudirect_rdma(capability), log=env.rank == 0)

@@ -10,10 +10,10 @@ from distlm.backends.base import Backend
 from distlm.backends.cpu import CpuBackend
 from distlm.backends.cuda import CudaBackend
 from distlm.backends.neuron import NeuronBackend, neuron_available
+from distlm.choices import DEVICES
 from distlm.errors import UsageError
 
 BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend, "neuron": NeuronBackend}
-DEVICES = ("auto", *BACKENDS)
 
 
 def resolve_device(device: str, dev_root: str | os.PathLike = "/dev") -> str:

@@ -19,15 +19,16 @@ Process groups are arguments; nothing here lives in module globals.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
+from distlm.choices import COMM_HOOKS
+from distlm.env import ranks_by_node
 from distlm.errors import UsageError
-
-REDUCER_KINDS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 
 Reducer = Callable[[torch.Tensor], "Future[torch.Tensor]"]
 
@@ -278,16 +279,32 @@ def validate_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
 
 
 def node_groups(ranks_per_node: int, world_size: int, device_type: str = "cpu") -> NodeGroups:
-    """Intra-node and inter-node groups of a (nodes, ranks_per_node) mesh over all ranks.
-
-    Consecutive ranks share a node, as every launcher numbers them. Called on every rank.
-    """
+    """Intra- and inter-node groups of consecutive nodes of ``ranks_per_node`` ranks each
+    (``--ranks-per-node``, which simulates nodes). Called on every rank."""
     num_nodes = validate_ranks_per_node(ranks_per_node, world_size)
-    if world_size != dist.get_world_size():
-        raise ValueError(f"node_groups spans all ranks: world_size {world_size} != {dist.get_world_size()}")
-    from torch.distributed.device_mesh import init_device_mesh
+    return node_groups_of([rank // ranks_per_node for rank in range(world_size)], device_type, num_nodes)
 
-    mesh = init_device_mesh(device_type, (num_nodes, ranks_per_node), mesh_dim_names=("node", "local"))
+
+def node_groups_of(node_of_rank: Sequence[int], device_type: str = "cpu", num_nodes: int | None = None) -> NodeGroups:
+    """Intra- and inter-node groups from the node each rank really runs on (called on every rank).
+
+    Nodes need not hold consecutive ranks (``mpiexec --map-by node`` places them round
+    robin), but every node must hold as many: the inter-node groups pair the i-th rank
+    of each node.
+    """
+    if len(node_of_rank) != dist.get_world_size():
+        raise ValueError(f"node_groups spans all ranks: {len(node_of_rank)} != {dist.get_world_size()}")
+    grid = ranks_by_node(node_of_rank)
+    sizes = sorted({len(ranks) for ranks in grid})
+    if len(sizes) != 1:
+        counts = ", ".join(f"node {i}: {len(ranks)}" for i, ranks in enumerate(grid))
+        raise UsageError(
+            f"--comm-hook hierarchical needs the same number of ranks on every node, found {counts}; "
+            "start as many ranks on each node"
+        )
+    if num_nodes is not None and len(grid) != num_nodes:
+        raise ValueError(f"expected {num_nodes} nodes, found {len(grid)}")
+    mesh = DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("node", "local"))
     return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())
 
 
@@ -300,7 +317,8 @@ def build_reducer(
     kind: str,
     dp_group: dist.ProcessGroup | None,
     *,
-    ranks_per_node: int | None,
+    ranks_per_node: int | None = None,
+    node_of_rank: Sequence[int] | None = None,
     device_type: str,
     inter_transport_factory: Callable[[dist.ProcessGroup | None], Transport] | None = None,
 ) -> Reducer:
@@ -308,10 +326,11 @@ def build_reducer(
 
     ``inter_transport_factory(group)`` makes the transport of the flat leg (allreduce, fp16,
     bf16) or of the inter-node leg (hierarchical*); default ``TorchTransport``.
-    ``ranks_per_node`` is used by the hierarchical kinds only.
+    The hierarchical kinds use ``ranks_per_node`` (consecutive simulated nodes) when
+    given, else ``node_of_rank``, the node each rank really runs on.
     """
-    if kind not in REDUCER_KINDS:
-        raise UsageError(f"--comm-hook {kind!r} is unknown; choose one of {', '.join(REDUCER_KINDS)}")
+    if kind not in COMM_HOOKS:
+        raise UsageError(f"--comm-hook {kind!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
     make_transport = inter_transport_factory or TorchTransport
     if kind == "allreduce":
         return allreduce_reducer(make_transport(dp_group))
@@ -319,13 +338,17 @@ def build_reducer(
         return half_precision_reducer(make_transport(dp_group), torch.float16 if kind == "fp16" else torch.bfloat16)
 
     dp_size = dist.get_world_size(dp_group)
-    num_nodes = validate_ranks_per_node(ranks_per_node, dp_size)
     if dp_size != dist.get_world_size():
         raise UsageError(
             f"--comm-hook {kind} needs data parallelism over all {dist.get_world_size()} ranks, "
             f"but the data-parallel group has {dp_size}; drop --tp-degree or use --comm-hook allreduce"
         )
-    intra, inter = node_groups(ranks_per_node, dp_size, device_type)
+    if ranks_per_node is not None or node_of_rank is None:
+        num_nodes = validate_ranks_per_node(ranks_per_node, dp_size)
+        intra, inter = node_groups(ranks_per_node, dp_size, device_type)
+    else:
+        intra, inter = node_groups_of(node_of_rank, device_type)
+        num_nodes = len(set(node_of_rank))
     # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
     inter_transport = make_transport(inter) if num_nodes > 1 else None
     return hierarchical_reducer(intra, inter_transport, torch.float16 if kind == "hierarchical-fp16" else None)

@@ -20,9 +20,10 @@ def apply_ddp(
     device: torch.device,
     process_group: dist.ProcessGroup | None,
     bucket_cap_mb: float,
-    comm_hook: tuple[Callable, Any] | None = None,
+    comm_hook: Callable | None = None,
+    hook_state: Any = None,
 ) -> DistributedDataParallel:
-    """torch DDP; ``comm_hook`` is ``(hook, state)`` from parallel/api.py, or None for DDP's own all-reduce."""
+    """torch DDP; ``comm_hook(hook_state, bucket)`` replaces DDP's own all-reduce when given."""
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -33,8 +34,7 @@ def apply_ddp(
         **_no_buffer_sync_per_forward(),
     )
     if comm_hook is not None:
-        hook, state = comm_hook
-        ddp.register_comm_hook(state, hook)
+        ddp.register_comm_hook(hook_state, comm_hook)
     return ddp
 
 

@@ -1,6 +1,6 @@
 """Fully sharded data parallel through torch's FSDP2 (``fully_shard``).
 
-Every transformer block in ``model.layers`` becomes one FSDP unit and the root takes
+Every transformer block in ``model.blocks`` becomes one FSDP unit and the root takes
 the rest (embeddings, final norm, LM head). Each unit's parameters are all-gathered in
 one collective before its forward and backward, and its gradients reduce-scattered in
 one collective after its backward, so parameters, gradients and optimizer state are
@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlm.errors import UsageError
+from distlm.models.contract import model_blocks
 
 # Devices whose memory FSDP's CPUOffloadPolicy can offload from. On anything else the
 # policy has nothing to offload and torch fails at the first forward with
@@ -74,17 +75,17 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``dp_mesh`` and return it.
 
-    ``model.layers`` (a ModuleList of blocks) gives the FSDP units. Parameters may
+    ``model.blocks`` (a ModuleList) gives the FSDP units. Parameters may
     already be DTensors on a tensor-parallel mesh (2-D FSDP + TP): FSDP2 then shards
     them further over ``dp_mesh``, which must be a sibling of that mesh.
     """
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_fsdp wants the 1-D data-parallel mesh, got a {dp_mesh.ndim}-D mesh")
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    layers = model_blocks(model)
+    if layers is None:
         raise UsageError(
-            f"--strategy fsdp shards per transformer block, but {type(model).__name__} has no "
-            "`layers` ModuleList; use --strategy ddp for this model"
+            f"--strategy fsdp shards per transformer block, but {type(model).__name__} declares no "
+            "blocks (an nn.ModuleList); use --strategy ddp for this model"
         )
     _check_ties_stay_in_one_unit(model, layers)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -124,7 +125,7 @@ def _check_ties_stay_in_one_unit(model: nn.Module, layers: nn.ModuleList) -> Non
                 raise UsageError(
                     f"--strategy fsdp: parameter {unit}.{name} is tied to one in {owner[id(param)]}; "
                     "FSDP shards each block separately, so tied weights must live in one block or "
-                    "outside model.layers; use --strategy ddp"
+                    "outside model.blocks; use --strategy ddp"
                 )
     layer_params = set(owner)
     layer_ids = {id(m) for layer in layers for m in layer.modules()}
@@ -136,5 +137,5 @@ def _check_ties_stay_in_one_unit(model: nn.Module, layers: nn.ModuleList) -> Non
                 raise UsageError(
                     f"--strategy fsdp: parameter {module_name}.{name} is tied to one in {owner[id(param)]}; "
                     "FSDP shards each block separately, so tied weights must live in one block or "
-                    "outside model.layers; use --strategy ddp"
+                    "outside model.blocks; use --strategy ddp"
                 )

@@ -71,8 +71,10 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed._composable.replicate_with_fsdp import replicate
 
 from distlm.errors import UsageError
+from distlm.models.contract import model_blocks, model_tp_plan
 
 logger = logging.getLogger("distlm")
 
@@ -101,19 +103,8 @@ class TPInfo:
 # ------------------------------------------------------------------ validation
 
 
-def _model_class_and_config(model_or_config: Any) -> tuple[type, Any]:
-    if isinstance(model_or_config, nn.Module):
-        return type(model_or_config), getattr(model_or_config, "config", None)
-    from distlm.models.registry import ARCHS
-
-    for model_class, config in ARCHS.values():
-        if type(config) is type(model_or_config):
-            return model_class, model_or_config
-    raise TypeError(f"validate_tp needs a model or a distlm model config, got {type(model_or_config).__name__}")
-
-
 def validate_tp(
-    model_or_config: Any,
+    model: nn.Module,
     tp_degree: int,
     *,
     sequence_parallel: bool = False,
@@ -122,8 +113,8 @@ def validate_tp(
 ) -> None:
     """UsageError unless ``tp_degree`` splits every dimension the model's plan shards.
 
-    ``model_or_config``: a model (a meta-device one is enough) or a RobertaConfig /
-    LlamaConfig. ``arch`` only names the model in the message. The vocabulary is not
+    ``model``: a model of the distlm model contract (one on the meta device is enough).
+    ``arch`` only names the model in the message. The vocabulary is not
     checked: uneven vocabulary shards are supported (see the module docstring). With
     ``sequence_parallel``, ``tokens_per_sample`` padded up to a multiple of the degree
     must still fit the model's positions.
@@ -132,9 +123,9 @@ def validate_tp(
         raise UsageError(f"--tp-degree must be at least 1, got {tp_degree}")
     if tp_degree == 1:
         return
-    model_class, config = _model_class_and_config(model_or_config)
+    model_class, config = type(model), getattr(model, "config", None)
     name = f"--arch {arch}" if arch else model_class.__name__
-    plan = getattr(model_class, "tp_plan", None)
+    plan = model_tp_plan(model)
     if not plan:
         raise UsageError(
             f"--tp-degree {tp_degree}: {name} declares no tp_plan, so it cannot be tensor-parallel; use --tp-degree 1"
@@ -142,15 +133,15 @@ def validate_tp(
     unknown = sorted(set(plan.values()) - set(STYLES))
     if unknown:
         raise UsageError(f"--tp-degree {tp_degree}: {name}'s tp_plan uses unknown styles {unknown}; known: {', '.join(STYLES)}")
-    for field in getattr(model_class, "tp_divisible", ()) if config is not None else ():
+    for field in getattr(model, "tp_divisible", ()) if config is not None else ():
         value = getattr(config, field)
         if value % tp_degree:
             shown = _FIELD_NAMES.get(field, field)
             raise UsageError(f"--tp-degree {tp_degree} does not divide {shown} {value} of {name}")
-    if sequence_parallel and tokens_per_sample is not None and config is not None:
-        positions = getattr(config, "max_positions", None) or getattr(config, "max_seq_len", None)
+    if sequence_parallel and tokens_per_sample is not None:
+        positions = model.max_positions
         padded = -(-tokens_per_sample // tp_degree) * tp_degree
-        if positions is not None and padded > positions:
+        if padded > positions:
             raise UsageError(
                 f"--sequence-parallel pads --tokens-per-sample {tokens_per_sample} to {padded}, a multiple of "
                 f"--tp-degree {tp_degree}, beyond the {positions} positions of {name}; lower --tokens-per-sample"
@@ -260,7 +251,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     """
     degree = tp_mesh.size()
     validate_tp(model, degree)
-    resolved = _resolve(model, type(model).tp_plan)
+    resolved = _resolve(model, model_tp_plan(model))
     loss_parallel = loss_parallel and "colwise_output" in resolved.values()
     styles, later = _styles(model, resolved, sequence_parallel, loss_parallel)
     parallelize_module(model, tp_mesh, styles)
@@ -308,12 +299,7 @@ def _redistribute_like(mesh: DeviceMesh, placements: tuple, grad: torch.Tensor) 
 def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
     """Right-pad ``input_ids`` (and ``masked_tokens``) to a multiple of the tp degree, and
     cut per-position logits back, so sequence shards are always even."""
-    pad = getattr(getattr(model, "config", None), "padding_idx", None)
-    if pad is None:
-        raise UsageError(
-            f"--sequence-parallel pads batches to a multiple of --tp-degree {multiple} and needs "
-            f"{type(model).__name__}.config.padding_idx"
-        )
+    pad = model.padding_idx
     lengths: list[int] = []
 
     def pad_inputs(module, args, kwargs):
@@ -418,9 +404,7 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     Gradients are averaged over dp, as DDP does; on non-final micro-batches call
     ``model.set_requires_gradient_sync(False)`` (DDP's ``no_sync``).
     """
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    for block in getattr(model, "layers", ()):
+    for block in model_blocks(model) or ():
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)
     logger.info("applied replicate over %d data-parallel ranks (tensor-parallel parameters)", dp_mesh.size())

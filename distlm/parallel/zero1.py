@@ -49,8 +49,7 @@ with warnings.catch_warnings():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distlm.config import OptimConfig
-from distlm.optim import Fp32StateAdamW, build_optimizer
+from distlm.optim import AdamWSettings, Fp32StateAdamW, build_optimizer
 
 try:  # public since torch 2.5 under this name
     from torch.distributed.tensor.experimental import implicit_replication
@@ -60,7 +59,7 @@ except ImportError:  # pragma: no cover - older torch
 
 def build_zero1_optimizer(
     params: Iterable[torch.nn.Parameter],
-    optim_cfg: OptimConfig,
+    settings: AdamWSettings,
     dp_group: dist.ProcessGroup | None,
     param_dtype: torch.dtype,
     sync_bucket_mb: float = 25.0,
@@ -73,10 +72,8 @@ def build_zero1_optimizer(
     """
     params = [p for p in params if p.requires_grad]
     if dp_group is None or dist.get_world_size(dp_group) == 1:
-        return build_optimizer(params, optim_cfg, param_dtype)
-    kwargs: dict[str, Any] = dict(
-        lr=optim_cfg.lr, betas=tuple(optim_cfg.adam_betas), eps=optim_cfg.adam_eps, weight_decay=optim_cfg.weight_decay
-    )
+        return build_optimizer(params, settings, param_dtype)
+    kwargs: dict[str, Any] = settings.kwargs()
     if param_dtype == torch.float16:
         return Zero1Optimizer(params, Fp32StateAdamW, process_group=dp_group, sync_bucket_mb=sync_bucket_mb, **kwargs)
     return Zero1Optimizer(

@@ -1,0 +1,115 @@
+"""Reading a checkpoint offline, in one process with no process group (export, tools, tests).
+
+``CheckpointReader(path)`` takes a checkpoint directory, a save dir (meaning its
+``checkpoint_last``) or a file of the old single-file format. Tensors are read whole,
+one at a time, from whatever shards hold them, so exporting needs about one copy of the
+weights in memory and never the optimizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from distlm.checkpoint import directory, legacy
+from distlm.errors import UsageError
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint a path names: itself, or the last checkpoint of a save dir."""
+    path = Path(path)
+    if legacy.is_legacy(path) or directory.is_complete(path):
+        return path
+    if path.is_dir():
+        for candidate in (path / directory.LAST, path / directory.LEGACY_LAST_FILE):
+            if legacy.is_legacy(candidate) or directory.is_complete(candidate):
+                return candidate
+        if (path / directory.META_FILE).exists() or (path / directory.DCP_METADATA_FILE).exists():
+            missing = directory.META_FILE if not (path / directory.META_FILE).exists() else directory.DCP_METADATA_FILE
+            raise UsageError(f"{path} lacks {missing}; the checkpoint is incomplete")
+        raise UsageError(f"{path} is neither a distlm checkpoint nor a save dir holding {directory.LAST}")
+    raise UsageError(f"{path}: no such file")
+
+
+class CheckpointReader:
+    def __init__(self, path: str | Path):
+        self.path = resolve(path)
+        self.is_legacy = legacy.is_legacy(self.path)
+        if self.is_legacy:
+            self.meta = legacy.read_meta(self.path)
+            self._tensors: dict[str, TensorStorageMetadata] = {}
+        else:
+            try:
+                self.meta = json.loads((self.path / directory.META_FILE).read_text())
+                metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
+            except (OSError, ValueError) as err:
+                raise UsageError(f"{self.path}: not readable ({err}); the checkpoint is damaged") from None
+            for key in ("arch", "task", "progress"):
+                if key not in self.meta:
+                    raise UsageError(f"{self.path / directory.META_FILE} holds no {key!r}; the checkpoint is damaged")
+            self._tensors = {
+                key: value for key, value in metadata.state_dict_metadata.items()
+                if isinstance(value, TensorStorageMetadata)
+            }
+            missing = sorted({i.relative_path for i in metadata.storage_data.values()
+                              if not (self.path / i.relative_path).is_file()})
+            if missing:
+                raise UsageError(f"{self.path} lacks shard {missing[0]}; the checkpoint is incomplete")
+
+    def model_names(self) -> list[str]:
+        if self.is_legacy:
+            return list(legacy.read(self.path)["model"])
+        return [key.removeprefix("model.") for key in self._tensors if key.startswith("model.")]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """One tensor, whole, by its full key (``model.<name>``, ``optimizer.<name>.exp_avg``)."""
+        if self.is_legacy:
+            state = legacy.read(self.path)
+            section, _, rest = key.partition(".")
+            if section == "model":
+                return state["model"][rest]
+            name, _, field = rest.rpartition(".")
+            return state["optimizer"]["state"][name][field]
+        info = self._tensors.get(key)
+        if info is None:
+            raise UsageError(f"{self.path} holds no tensor {key}")
+        tensor = torch.empty(info.size, dtype=info.properties.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load({key: tensor}, checkpoint_id=str(self.path), no_dist=True)
+        return tensor
+
+    def model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` for every model weight, one at a time."""
+        for name in self.model_names():
+            yield name, self.tensor(f"model.{name}")
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam's whole state by parameter name (reads every moment: for tests and tools)."""
+        if self.is_legacy:
+            return legacy.read(self.path)["optimizer"]["state"]
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key in self._tensors:
+            if key.startswith("optimizer."):
+                name, _, field = key.removeprefix("optimizer.").rpartition(".")
+                state.setdefault(name, {})[field] = self.tensor(key)
+        return state
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """A whole checkpoint as one dict: its description, ``model`` and ``optimizer["state"]``
+    by parameter name, ``num_updates`` and ``consumed_samples`` (for tests and small tools)."""
+    reader = CheckpointReader(path)
+    return {
+        **reader.meta,
+        "model": dict(reader.model_tensors()),
+        "optimizer": {"state": reader.optimizer_state()},
+        "num_updates": reader.meta["progress"]["num_updates"],
+        "consumed_samples": reader.meta["progress"]["consumed_samples"],
+    }

@@ -1,0 +1,110 @@
+"""The sharded training state each rank saves and loads, keyed by single-device names.
+
+Every strategy presents the same keys, so a checkpoint written under one layout loads
+under any other; torch.distributed.checkpoint (DCP) reads whatever slices of the saved
+shards each rank's own shards need:
+
+``model.<name>``                       the parameter (a DTensor under FSDP and tensor parallel)
+``optimizer.<name>.<step|exp_avg|…>``  Adam's state, only where this rank holds it (ZeRO-1: its partition)
+``rng.rank<r>.<cpu|cuda>``             each rank's RNG state, restored when the layout is unchanged
+
+Replicated tensors (DDP's parameters and moments) are written once, by one rank, and
+read by all. No rank gathers anything whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from distlm.optim import init_optimizer_state
+from distlm.parallel.names import parameter_names
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shards of every parameter (and persistent buffer), under single-device names."""
+    return get_model_state_dict(model)
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    set_model_state_dict(model, state)
+
+
+def optimizer_holding_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``state`` is this rank's: ZeRO-1's local optimizer, else itself."""
+    inner = getattr(optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's state of the parameters this rank holds state for, by parameter name.
+
+    The tensors are the optimizer's own (loading writes into them in place).
+    """
+    holder = optimizer_holding_state(optimizer)
+    name_of = {id(param): name for name, param in zip(parameter_names(model), model.parameters())}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for group in holder.param_groups:
+        for param in group["params"]:
+            entry = holder.state.get(param)
+            if entry:
+                state[name_of[id(param)]] = {key: value for key, value in entry.items() if isinstance(value, torch.Tensor)}
+    return state
+
+
+def optimizer_state_to_load(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``optimizer_state`` after allocating it, restricted to what the checkpoint holds.
+
+    Allocating lays the state out as this strategy holds it (sharded like the
+    parameters), so loading reads only this rank's slices. A parameter without saved
+    state (a checkpoint from before its first step) keeps none.
+    """
+    holder = optimizer_holding_state(optimizer)
+    init_optimizer_state(holder)
+    state = optimizer_state(model, optimizer)
+    name_to_param = dict(zip(parameter_names(model), model.parameters()))
+    for name in list(state):
+        if not all(f"optimizer.{name}.{key}" in saved_keys for key in state[name]):
+            holder.state.pop(name_to_param[name], None)
+            del state[name]
+    return state
+
+
+def load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """Load whole per-name tensors (a checkpoint of the old single-file format), keeping this rank's shards."""
+    holder = optimizer_holding_state(optimizer)
+    init_optimizer_state(holder)
+    for name, entry in optimizer_state(model, optimizer).items():
+        if name not in full:
+            continue
+        for key, target in entry.items():
+            _copy_shard_into(target, full[name][key])
+
+
+@torch.no_grad()
+def _copy_shard_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank cuts its own shard from the whole tensor, no communication.
+        whole = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(whole.to_local())
+    else:
+        target.copy_(whole)
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

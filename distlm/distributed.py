@@ -1,0 +1,170 @@
+"""The distributed context of a run: who this process is, on which device, in which layout.
+
+``init_distributed(config)`` detects the launcher, validates the whole configuration
+against it and the hardware (before any rendezvous, so bad input fails in a second on
+every rank alike), applies the hardware backend's presets, starts the process group and
+builds the ``ParallelDims`` meshes. The Trainer receives the resulting ``DistContext``
+and never touches launchers or backends itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distlm.backends import Backend, get_backend
+from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
+from distlm.mesh import ParallelDims
+from distlm.validation import validate
+
+logger = logging.getLogger("distlm")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective did not complete: a peer died, stalled past --timeout-sec, or lost its link."""
+
+
+@dataclass
+class DistContext:
+    """This process's place in the job, its device and the layout's process groups."""
+
+    env: ClusterEnv
+    backend: Backend
+    device: torch.device
+    dims: ParallelDims
+    timeout: datetime.timedelta
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.env.world_size > 1
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group; None in a single process."""
+        return self.dims.dp_group(self.device.type)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self.dims.tp_group(self.device.type)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.coordinates(self.env.rank)[0]
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dims.dp, "tp": self.dims.tp}
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (collective over the world)."""
+        if not self.is_distributed:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def node_of_rank(self) -> tuple[int, ...]:
+        """The node every rank runs on, numbered by each node's lowest rank (collective).
+
+        Under MPI the launcher found it from the hosts themselves; other launchers give
+        each rank its node index, gathered here.
+        """
+        if self.env.node_of_rank is not None:
+            return tuple(self.env.node_of_rank)
+        return node_layout(self.rank, self.all_gather_object(self.env.node_rank)).node_of_rank
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            dist.barrier()
+
+    def all_ranks_agree(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (collective over the world)."""
+        if not self.is_distributed:
+            return flag
+        found = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(found)
+        return bool(found.item())
+
+    @contextlib.contextmanager
+    def naming_failed_collectives(self, update: int) -> Iterator[None]:
+        """Turn torch's transport-level error inside the block into one line naming the ranks."""
+        try:
+            yield
+        except RuntimeError as err:
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            transport = isinstance(err, dist.DistError) or any(
+                word in cause.lower() for word in ("timed out", "timeout", "connection", "gloo", "nccl")
+            )
+            if not self.is_distributed or not transport:
+                raise
+            # An update's collectives span the dp group (the token count, DDP/FSDP), the tp
+            # group (tensor parallel) and the world (--check-replicas), so the ranks that
+            # may be missing are all of them.
+            ranks = list(range(self.world_size))
+            raise CollectiveFailure(
+                f"rank {self.rank}: a collective of update {update} among ranks {ranks} "
+                f"did not complete (--timeout-sec {self.timeout.total_seconds():g}): {cause}. "
+                "Another rank probably died or stalled; its own log says why."
+            ) from err
+
+    def close(self) -> None:
+        """Let gloo's worker thread release the last collective before the process may exit.
+
+        gloo's worker thread drops its reference to a finished collective after ``wait()``
+        has returned, and releasing tensors created in Python takes the GIL. If the
+        interpreter is already shutting down, that thread is killed inside a C++
+        destructor and the process aborts ("terminate called without an active
+        exception"). A barrier blocks with the GIL released until every rank arrives,
+        which makes that window unlikely; ``distlm.train.exit_without_teardown`` closes
+        it for the command line.
+        """
+        self.barrier()
+
+
+def init_distributed(config, model: torch.nn.Module | None = None) -> DistContext:
+    """Launcher, validation, backend presets, process group and meshes, in that order.
+
+    ``config`` is a ``distlm.config.TrainConfig``; ``model`` the user's own model, if
+    any, validated in place of ``--arch``. An existing process group (the caller's own,
+    or an earlier run's in the same process) is reused.
+    """
+    settings = config.distributed
+    env = ClusterEnv.detect(
+        explicit=ExplicitLaunch(
+            world_size=settings.distributed_world_size,
+            rank=settings.distributed_rank,
+            init_method=settings.distributed_init_method,
+        )
+    )
+    if env.launcher == "mpi" and env.is_distributed:
+        env = resolve_master_via_mpi(env)  # mpiexec exports no master address
+    backend = get_backend(settings.device)
+    dims = validate(config, env, backend, model)
+    backend.setup(env, config.precision_mode, settings.network)
+    device = backend.device(env)
+    timeout = datetime.timedelta(seconds=settings.timeout_sec)
+    if env.is_distributed and not dist.is_initialized():
+        backend.init_process_group(env, timeout)
+    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout)
+    if context.is_main:
+        logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
+                    env.describe(), device, dims.dp, dims.tp, dims.strategy)
+    return context

@@ -1,0 +1,71 @@
+"""Debug check that every copy of a parameter is bit-identical (``--check-replicas``).
+
+Copies live on the ranks of the data-parallel group (unless FSDP shards it, by design)
+and, for whatever tensor parallel leaves whole (norms, RoBERTa's embeddings, replicated
+DTensors), on the ranks of the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from distlm.mesh import ParallelDims
+from distlm.parallel.names import parameter_names
+
+
+@torch.no_grad()
+def first_replica_drift(model: nn.Module, dims: ParallelDims, device_type: str) -> str | None:
+    """Which parameter differs between which ranks of this rank's groups; None if all agree
+    (collective over the data-parallel and tensor-parallel groups)."""
+    params = list(model.parameters())
+    names = parameter_names(model)
+    drifts = []
+    if dims.dp_enabled and dims.replicas_share_parameters:
+        drifts.append(_first_difference(params, names, dims.dp_group(device_type), "data-parallel"))
+    if dims.tp_enabled:
+        whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp")]
+        drifts.append(_first_difference([params[i] for i in whole], [names[i] for i in whole],
+                                        dims.tp_group(device_type), "tensor-parallel"))
+    return next((d for d in drifts if d is not None), None)
+
+
+def _sharded_on(param: torch.Tensor, mesh_dim: str) -> bool:
+    """Whether a (DTensor) parameter is split along the named mesh dimension."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return mesh_dim in names and param.placements[names.index(mesh_dim)].is_shard()
+
+
+def _first_difference(params: list[torch.Tensor], names: list[str], group, kind: str) -> str | None:
+    """Which parameter's local tensor differs across ``group``, and between which ranks;
+    None if all copies are bit-identical (collective over ``group``)."""
+    if not params:
+        return None
+    mine = torch.stack([_bitwise_digest(p) for p in params]).cpu()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for rank, theirs in zip(ranks, gathered):
+        differs = (theirs != gathered[0]).any(dim=1).nonzero()
+        if len(differs):
+            return f"parameter {names[int(differs[0])]} differs between {kind} ranks {ranks[0]} and {rank}"
+    return None
+
+
+def _bitwise_digest(tensor: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of the tensor's bits: their plain sum and a position-weighted sum.
+
+    Comparing bits (not float sums) catches differences that cancel numerically, and
+    the weights catch elements that merely swapped places.
+    """
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()  # tensor-parallel shards: compared with the same shard of other replicas
+    flat = tensor.detach().contiguous().view(-1)
+    word = torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2 else torch.int64
+    bits = flat.view(word).to(torch.int64)
+    weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
+    return torch.stack([bits.sum(), (bits * weights).sum()])
