@@ -13,8 +13,11 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
@@ -25,12 +28,37 @@ from distlm.errors import UsageError
 
 @dataclass
 class ModelConfig:
-    arch: str = "roberta_tiny"
-    """Model architecture: roberta_tiny|roberta_base|roberta_large|llama_tiny|llama2_7b|llama3_8b."""
+    arch: str | None = None
+    """Model architecture (see distlm.models.ARCHS); default roberta_tiny, or with --init-from-hf the
+    Hugging Face model's own (a given --arch must then agree with it)."""
+    init_from_hf: str | None = None
+    """Start from a Hugging Face model directory (config.json + safetensors): its architecture and weights."""
     dropout: float | None = None
     """Dropout probability on residual branches; default: the architecture's own."""
     attention_dropout: float | None = None
     """Dropout probability on attention weights; default: the architecture's own."""
+    activation_dropout: float | None = None
+    """RoBERTa: dropout after the feed-forward activation (fairseq --activation-dropout)."""
+    encoder_layers: int | None = None
+    """RoBERTa: number of encoder layers (fairseq --encoder-layers)."""
+    encoder_embed_dim: int | None = None
+    """RoBERTa: hidden size (fairseq --encoder-embed-dim)."""
+    encoder_ffn_embed_dim: int | None = None
+    """RoBERTa: feed-forward inner size (fairseq --encoder-ffn-embed-dim)."""
+    encoder_attention_heads: int | None = None
+    """RoBERTa: attention heads (fairseq --encoder-attention-heads)."""
+    decoder_layers: int | None = None
+    """Llama: number of decoder layers (fairseq --decoder-layers)."""
+    decoder_embed_dim: int | None = None
+    """Llama: hidden size (fairseq --decoder-embed-dim)."""
+    decoder_ffn_embed_dim: int | None = None
+    """Llama: feed-forward (SwiGLU) inner size (fairseq --decoder-ffn-embed-dim)."""
+    decoder_attention_heads: int | None = None
+    """Llama: query heads (fairseq --decoder-attention-heads)."""
+    kv_heads: int | None = None
+    """Llama: key/value heads for grouped-query attention."""
+    max_positions: int | None = None
+    """Longest sample the model accepts, in tokens (RoBERTa's learned positions, Llama's rotary tables)."""
 
 
 @dataclass
@@ -49,8 +77,23 @@ class DataConfig:
     """Micro-batches accumulated per update; gradients are synchronised on the last only."""
     mask_prob: float = 0.15
     """Fraction of tokens masked for masked_lm (80% <mask>, 10% random, 10% unchanged)."""
+    mask_special_tokens: bool = True
+    """Masked LM: draw the masked positions from every position, <s> and </s> included, as fairseq does;
+    false never masks special tokens."""
     num_workers: int = 0
     """Data-loading worker processes per rank (0 loads in the training process)."""
+    valid_subset: str = "valid"
+    """Comma-separated splits to validate on, e.g. valid,valid1."""
+    disable_validation: bool = False
+    """Never validate."""
+    validate_interval: int = 1
+    """Validate at the end of every N epochs."""
+    validate_interval_updates: int = 0
+    """Also validate every N updates (0: only at the ends of epochs)."""
+    max_valid_steps: int | None = None
+    """Validate on at most this many batches per split (default: the whole split)."""
+    batch_size_valid: int | None = None
+    """Samples per validation batch per data-parallel rank; default: --batch-size."""
 
 
 @dataclass
@@ -77,8 +120,8 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0: no clipping)."""
     adam_betas: tuple[float, float] = (0.9, 0.98)
     """Adam betas, e.g. '(0.9, 0.98)'."""
-    adam_eps: float = 1e-6
-    """Adam epsilon."""
+    adam_eps: float = 1e-8
+    """Adam epsilon (fairseq's default is 1e-8)."""
     weight_decay: float = 0.01
     """Decoupled weight decay."""
 
@@ -96,13 +139,17 @@ class PrecisionConfig:
     fp16_scale_window: int = 256
     """Updates without overflow before the loss scale is doubled."""
     min_loss_scale: float = 1e-4
-    """Stop with an error when the loss scale falls below this (the run has diverged)."""
+    """Stop when the fp16 loss scale falls below this (the run has diverged)."""
+    fp16_max_skips: int = 20
+    """Stop when this many consecutive fp16 updates overflowed (the run has diverged)."""
 
 
 @dataclass
 class DistributedConfig:
     device: str = "auto"
-    """auto|cpu|cuda|neuron."""
+    """Hardware: auto picks what is present."""
+    cpu: bool = False
+    """Same as --device cpu (fairseq --cpu)."""
     strategy: str = "ddp"
     """Data-parallel strategy: ddp (replicated), fsdp (FSDP2, fully sharded) or zero1 (optimizer state sharded)."""
     tp_degree: int = 1
@@ -124,7 +171,7 @@ class DistributedConfig:
     double_buffering: bool = False
     """ChainerMN double buffering: update t applies update t-1's averaged gradients while t's are in flight."""
     ranks_per_node: int | None = None
-    """Ranks per node for the hierarchical hook; default: the launcher's local world size (set it to simulate nodes)."""
+    """Hierarchical hook: simulate nodes of this many consecutive ranks; default: the real nodes."""
     comm_transport: str = "torch"
     """Gradient all-reduce transport: torch (the process group: gloo/NCCL) or mpi (mpi4py, under mpiexec)."""
     network: str = "auto"
@@ -175,6 +222,22 @@ class CheckpointConfig:
     """Start from this checkpoint's weights only (when --save-dir holds no checkpoint to resume)."""
     no_save: bool = False
     """Neither save nor resume checkpoints."""
+    best_checkpoint_metric: str = "loss"
+    """Validation metric that picks checkpoint_best."""
+    maximize_best_checkpoint_metric: bool = False
+    """A larger --best-checkpoint-metric is better."""
+    patience: int = -1
+    """Stop after this many validations without improvement (-1: never)."""
+
+
+@dataclass
+class CompileConfig:
+    compile: bool = False
+    """Compile each transformer block (inductor on CPU and CUDA, the neuron backend on Trainium)."""
+    compile_cache: str | None = None
+    """Directory for compiled artefacts, shared by nodes and reused by the next run."""
+    precompile: bool = False
+    """Only compile: run enough updates to compile every graph, fill the cache, save nothing, exit."""
 
 
 @dataclass
@@ -193,6 +256,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 1
     """Random seed; data order and masking depend on it only, dropout also on the rank."""
@@ -216,12 +280,61 @@ SECTIONS: dict[str, type] = {
     name: kind for name, kind in get_type_hints(TrainConfig).items() if dataclasses.is_dataclass(kind)
 }
 
+DEFAULT_ARCH = "roberta_tiny"
+
 # fairseq spells a few settings differently; these names are accepted as aliases.
 ALIASES = {"max_sentences": "batch_size"}
 
 # fairseq flags with exactly one meaning that distlm always has: accepted if the value matches.
 FAIRSEQ_FIXED_VALUES = {
     "criterion": {"masked_lm": "masked_lm", "cross_entropy": "causal_lm"},
+}
+
+# fairseq's architecture flags: which family of arch each belongs to and the config field it sets.
+ARCH_FLAGS: dict[str, tuple[str, str]] = {
+    "encoder_layers": ("roberta", "n_layers"),
+    "encoder_embed_dim": ("roberta", "dim"),
+    "encoder_ffn_embed_dim": ("roberta", "ffn_dim"),
+    "encoder_attention_heads": ("roberta", "n_heads"),
+    "activation_dropout": ("roberta", "activation_dropout"),
+    "decoder_layers": ("llama", "n_layers"),
+    "decoder_embed_dim": ("llama", "dim"),
+    "decoder_ffn_embed_dim": ("llama", "ffn_dim"),
+    "decoder_attention_heads": ("llama", "n_heads"),
+    "kv_heads": ("llama", "n_kv_heads"),
+}
+# Settings every arch has, under the config field of each family.
+SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
+    "dropout": {"roberta": "dropout", "llama": "dropout"},
+    "attention_dropout": {"roberta": "attention_dropout", "llama": "attention_dropout"},
+    "max_positions": {"roberta": "max_positions", "llama": "max_seq_len"},
+}
+
+# Allowed ranges: (lowest, highest, lowest allowed, highest allowed); None: unbounded.
+_AT_LEAST_1 = (1, None, True, True)
+_NOT_NEGATIVE = (0, None, True, True)
+_POSITIVE = (0, None, False, True)
+_PROBABILITY = (0, 1, True, False)
+_KEEP = (-1, None, True, True)
+BOUNDS: dict[str, tuple] = {
+    "tokens_per_sample": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "update_freq": _AT_LEAST_1,
+    "log_interval": _AT_LEAST_1, "save_interval": _AT_LEAST_1, "validate_interval": _AT_LEAST_1,
+    "max_valid_steps": _AT_LEAST_1, "batch_size_valid": _AT_LEAST_1, "tp_degree": _AT_LEAST_1,
+    "ranks_per_node": _AT_LEAST_1, "fp16_scale_window": _AT_LEAST_1, "fp16_max_skips": _AT_LEAST_1,
+    "total_num_update": _AT_LEAST_1, "distributed_world_size": _AT_LEAST_1,
+    "encoder_layers": _AT_LEAST_1, "encoder_embed_dim": _AT_LEAST_1, "encoder_ffn_embed_dim": _AT_LEAST_1,
+    "encoder_attention_heads": _AT_LEAST_1, "decoder_layers": _AT_LEAST_1, "decoder_embed_dim": _AT_LEAST_1,
+    "decoder_ffn_embed_dim": _AT_LEAST_1, "decoder_attention_heads": _AT_LEAST_1, "kv_heads": _AT_LEAST_1,
+    "max_positions": _AT_LEAST_1,
+    "max_update": _NOT_NEGATIVE, "max_epoch": _NOT_NEGATIVE, "warmup_updates": _NOT_NEGATIVE,
+    "save_interval_updates": _NOT_NEGATIVE, "validate_interval_updates": _NOT_NEGATIVE,
+    "clip_norm": _NOT_NEGATIVE, "weight_decay": _NOT_NEGATIVE, "num_workers": _NOT_NEGATIVE,
+    "end_learning_rate": _NOT_NEGATIVE, "seed": _NOT_NEGATIVE, "distributed_rank": _NOT_NEGATIVE,
+    "lr": _POSITIVE, "adam_eps": _POSITIVE, "power": _POSITIVE, "fp16_init_scale": _POSITIVE,
+    "min_loss_scale": _POSITIVE, "bucket_cap_mb": _POSITIVE, "timeout_sec": _POSITIVE,
+    "mask_prob": (0, 1, False, False), "dropout": _PROBABILITY, "attention_dropout": _PROBABILITY,
+    "activation_dropout": _PROBABILITY, "adam_betas": _PROBABILITY,
+    "keep_interval_updates": _KEEP, "keep_last_epochs": _KEEP, "patience": _KEEP,
 }
 
 
@@ -251,23 +364,65 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _parse_value(kind: Any, raw: str, flag: str) -> Any:
+def _base_type(hint: Any) -> Any:
+    """``int`` of ``int | None``; the hint itself otherwise."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+_TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+
+def _parse_flag(hint: Any, raw: str, flag: str) -> Any:
     """Convert a flag's string to the field's type, with an error naming the flag."""
-    kind = str(kind)
+    kind = _base_type(hint)
     try:
-        if "tuple" in kind:
+        if kind is bool:
+            if raw.lower() in _TRUE + _FALSE:
+                return raw.lower() in _TRUE
+            raise ValueError
+        if typing.get_origin(kind) is tuple:
             parsed = ast.literal_eval(raw)
             values = tuple(float(x) for x in (parsed if isinstance(parsed, (tuple, list)) else [parsed]))
             if len(values) != 2:
                 raise ValueError
             return values
-        if "int" in kind and "float" not in kind:
+        if kind is int:
             return int(raw)
-        if "float" in kind:
+        if kind is float:
             return float(raw)
-    except (ValueError, SyntaxError):
-        raise UsageError(f"{flag}: cannot parse {raw!r} as {kind.replace(' | None', '')}") from None
+    except (ValueError, SyntaxError, TypeError):
+        raise UsageError(f"{flag}: cannot parse {raw!r} as {_type_name(kind)}") from None
     return raw
+
+
+def _check_toml_value(hint: Any, value: Any, where: str) -> Any:
+    """A TOML value checked against the field's type: a string is never a bool, a bool never
+    an int, a float never an int, a list only where a pair belongs."""
+    kind = _base_type(hint)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif typing.get_origin(kind) is tuple:
+        ok = (isinstance(value, list) and len(value) == 2
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
+        value = tuple(float(x) for x in value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise UsageError(f"{where} = {value!r} is a {type(value).__name__}; it must be {_type_name(kind)}")
+    return value
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is tuple:
+        return "a pair of numbers, e.g. (0.9, 0.98)"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,8 +452,14 @@ def _add_fields(group, cls: type, dest_prefix: str, only: Sequence[str] | None =
         flags = ["--" + f.name.replace("_", "-")]
         flags += ["--" + alias.replace("_", "-") for alias, target in ALIASES.items() if target == f.name]
         help_text = docs.get(f.name, "").replace("%", "%%")  # argparse %-formats help
+        if hints[f.name] is bool and not f.default:
+            group.add_argument(*flags, dest=dest_prefix + f.name, action="store_const", const="true", default=None,
+                               help=help_text)
+            continue
         if hints[f.name] is bool:
-            group.add_argument(*flags, dest=dest_prefix + f.name, action="store_true", default=None, help=help_text)
+            # On by default: the flag takes a value, e.g. --mask-special-tokens false.
+            group.add_argument(*flags, dest=dest_prefix + f.name, default=None, metavar="true|false",
+                               help=help_text + " (default: true)")
             continue
         if f.name in CHOICES:
             help_text += f" Choices: {', '.join(CHOICES[f.name])}."
@@ -308,13 +469,19 @@ def _add_fields(group, cls: type, dest_prefix: str, only: Sequence[str] | None =
 
 
 def _apply(config: TrainConfig, section: str | None, name: str, raw: Any, origin: str) -> None:
+    """Set one setting from a flag (a string) or a TOML value (typed), checking its type."""
     target = config if section is None else getattr(config, section)
     hints = get_type_hints(type(target))
+    if section is None:
+        hints = {key: hint for key, hint in hints.items() if key not in SECTIONS}
     if name not in hints:
-        raise UsageError(f"{origin}: unknown setting {name!r}" + (f" in [{section}]" if section else ""))
-    value = _parse_value(hints[name], raw, origin) if isinstance(raw, str) else raw
-    if isinstance(raw, list) and "tuple" in str(hints[name]):
-        value = tuple(float(x) for x in raw)
+        where = f" in [{section}]" if section else ""
+        raise UsageError(f"{origin}: unknown setting {name!r}{where}")
+    if origin.startswith("--config"):
+        where = f"{origin}: [{section}] {name}" if section else f"{origin}: {name}"
+        value = _check_toml_value(hints[name], raw, where)
+    else:
+        value = _parse_flag(hints[name], raw, origin)
     setattr(target, name, value)
 
 
@@ -327,13 +494,22 @@ def load_toml(config: TrainConfig, path: str) -> None:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {path}: not valid TOML ({exc})") from None
     for key, value in table.items():
-        if isinstance(value, dict):
-            if key not in SECTIONS:
-                raise UsageError(f"--config {path}: unknown section [{key}]; sections are {', '.join(SECTIONS)}")
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise UsageError(f"--config {path}: {key} is a section; write its settings under [{key}]")
             for name, item in value.items():
                 _apply(config, key, name, item, f"--config {path}")
+        elif isinstance(value, dict):
+            raise UsageError(f"--config {path}: unknown section [{key}]; sections are {', '.join(SECTIONS)}")
         else:
+            section = _section_of(key)
+            if section is not None:
+                raise UsageError(f"--config {path}: {key} belongs in section [{section}]; move it there")
             _apply(config, None, key, value, f"--config {path}")
+
+
+def _section_of(name: str) -> str | None:
+    return next((section for section, cls in SECTIONS.items() if name in get_type_hints(cls)), None)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
@@ -369,72 +545,84 @@ def _apply_criterion(config: TrainConfig, criterion: str) -> None:
     config.data.task = implied
 
 
-def arch_overrides(model: ModelConfig) -> dict[str, Any]:
-    """The model settings given on the command line, as overrides of the named arch's config."""
-    return {
-        name: value
-        for name, value in (("dropout", model.dropout), ("attention_dropout", model.attention_dropout))
-        if value is not None
-    }
+def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
+    """The model settings given on the command line, as overrides of an arch's config fields.
+
+    ``family`` is ``"roberta"`` or ``"llama"``; a flag of the other family is an error
+    naming both.
+    """
+    overrides = {}
+    for name, fields in SHARED_ARCH_FLAGS.items():
+        value = getattr(model, name)
+        if value is not None:
+            overrides[fields[family]] = value
+    for name, (flag_family, field_name) in ARCH_FLAGS.items():
+        value = getattr(model, name)
+        if value is None:
+            continue
+        if flag_family != family:
+            raise UsageError(
+                f"--{name.replace('_', '-')} sizes a {flag_family} model, but --arch {model.arch} is a {family} model; "
+                f"drop it or use the --{'decoder' if family == 'llama' else 'encoder'}-* flags"
+            )
+        overrides[field_name] = value
+    return overrides
 
 
 def check_settings(config: TrainConfig) -> None:
     """Checks of each setting on its own (no launch, no hardware); each failure names its flag.
 
     ``distlm.validation.validate`` runs these and the checks that need the launch."""
-    for section in SECTIONS:
-        for name, allowed in CHOICES.items():
-            value = getattr(getattr(config, section), name, None)
-            if value is not None and hasattr(getattr(config, section), name) and value not in allowed:
-                raise UsageError(f"--{name.replace('_', '-')} {value} is not one of: {', '.join(allowed)}")
+    for section, cls in SECTIONS.items():
+        settings = getattr(config, section)
+        for name in get_type_hints(cls):
+            _check_value(name, getattr(settings, name))
+    _check_value("seed", config.seed)
+    if config.model.arch is None and config.model.init_from_hf is None:
+        config.model.arch = DEFAULT_ARCH
+    if config.distributed.cpu:
+        if config.distributed.device not in ("auto", "cpu"):
+            raise UsageError(f"--cpu means --device cpu, not --device {config.distributed.device}; drop one")
+        config.distributed.device = "cpu"
     if config.distributed.ddp_backend is not None:
         # fairseq's c10d backend is torch DDP: same strategy under its fairseq name.
         if config.distributed.strategy != "ddp":
             raise UsageError(f"--ddp-backend {config.distributed.ddp_backend} means --strategy ddp, not {config.distributed.strategy}")
-    positive = {
-        "--tokens-per-sample": config.data.tokens_per_sample,
-        "--batch-size": config.data.batch_size,
-        "--update-freq": config.data.update_freq,
-        "--log-interval": config.logging.log_interval,
-        "--save-interval": config.checkpoint.save_interval,
-    }
-    for flag, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    non_negative = {
-        "--max-update": config.optim.max_update,
-        "--max-epoch": config.optim.max_epoch,
-        "--warmup-updates": config.optim.warmup_updates,
-        "--save-interval-updates": config.checkpoint.save_interval_updates,
-        "--clip-norm": config.optim.clip_norm,
-        "--weight-decay": config.optim.weight_decay,
-        "--num-workers": config.data.num_workers,
-    }
-    for flag, value in non_negative.items():
-        if value < 0:
-            raise UsageError(f"{flag} must not be negative, got {value}")
+    if config.distributed.dp_degree != -1 and config.distributed.dp_degree < 1:
+        raise UsageError(f"--dp-degree must be at least 1 (or -1: what --tp-degree leaves), got {config.distributed.dp_degree}")
     if config.optim.max_update == 0 and config.optim.max_epoch == 0:
         raise UsageError("set --max-update or --max-epoch: with both 0 the run would never stop")
-    if not 0.0 < config.data.mask_prob < 1.0:
-        raise UsageError(f"--mask-prob must be in (0, 1), got {config.data.mask_prob}")
-    if config.optim.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {config.optim.lr}")
-    for flag, p in (("--dropout", config.model.dropout), ("--attention-dropout", config.model.attention_dropout)):
-        if p is not None and not 0.0 <= p < 1.0:
-            raise UsageError(f"{flag} must be in [0, 1), got {p}")
     if config.precision.fp16 and config.precision.bf16:
         raise UsageError("--fp16 and --bf16 are exclusive; pick one")
     if config.precision.memory_efficient_fp16 and config.precision.bf16:
         raise UsageError("--memory-efficient-fp16 is an fp16 mode; it cannot be combined with --bf16")
-    if config.precision.fp16_init_scale <= 0:
-        raise UsageError(f"--fp16-init-scale must be positive, got {config.precision.fp16_init_scale}")
-    if config.precision.fp16_scale_window < 1:
-        raise UsageError(f"--fp16-scale-window must be at least 1, got {config.precision.fp16_scale_window}")
-    if config.precision.min_loss_scale <= 0:
-        raise UsageError(f"--min-loss-scale must be positive, got {config.precision.min_loss_scale}")
-    if config.distributed.bucket_cap_mb <= 0:
-        raise UsageError(f"--bucket-cap-mb must be positive, got {config.distributed.bucket_cap_mb}")
-    if config.distributed.ranks_per_node is not None and config.distributed.ranks_per_node < 1:
-        raise UsageError(f"--ranks-per-node must be at least 1, got {config.distributed.ranks_per_node}")
-    if config.distributed.timeout_sec <= 0:
-        raise UsageError(f"--timeout-sec must be positive, got {config.distributed.timeout_sec}")
+    if config.checkpoint.finetune_from_model and config.checkpoint.restore_file != "checkpoint_last":
+        raise UsageError("--finetune-from-model and --restore-file both name a starting checkpoint; give one")
+    if config.compile.precompile and not config.compile.compile:
+        config.compile.compile = True  # precompiling is compiling
+
+
+def _check_value(name: str, value: Any) -> None:
+    flag = "--" + name.replace("_", "-")
+    if name in CHOICES and value is not None and value not in CHOICES[name]:
+        raise UsageError(f"{flag} {value} is not one of: {', '.join(CHOICES[name])}")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    for item in value if isinstance(value, tuple) else (value,):
+        if isinstance(item, float) and not math.isfinite(item):
+            raise UsageError(f"{flag} must be a finite number, got {item}")
+        bounds = BOUNDS.get(name)
+        if bounds is None:
+            continue
+        low, high, low_ok, high_ok = bounds
+        below = low is not None and (item < low or (item == low and not low_ok))
+        above = high is not None and (item > high or (item == high and not high_ok))
+        if below or above:
+            raise UsageError(f"{flag} must be {_describe(bounds)}, got {item}")
+
+
+def _describe(bounds: tuple) -> str:
+    low, high, low_ok, high_ok = bounds
+    if high is None:
+        return f"at least {low}" if low_ok else f"greater than {low}"
+    return f"in {'[' if low_ok else '('}{low}, {high}{']' if high_ok else ')'}"

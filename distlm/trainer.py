@@ -9,17 +9,19 @@ one host synchronisation: the finite check of the gradient norm.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from distlm.builder import build_model_for_run
-from distlm.checkpoint import Checkpointer, TrainProgress
+from distlm.builder import build_model_for_run, resolve_model_spec
+from distlm.checkpoint import TOKENIZER_DIR, Checkpointer, TrainProgress
 from distlm.config import TrainConfig
 from distlm.data import GlobalBatchSampler, load_lm_data
 from distlm.distributed import DistContext, init_distributed
@@ -27,10 +29,10 @@ from distlm.errors import UsageError
 from distlm.loss import summed_cross_entropy
 from distlm.memory import memory_report
 from distlm.metrics import Printer, TrainStats
-from distlm.models import arch_task
+from distlm.data.hf_tokenizer import save_tokenizer
 from distlm.optim import AdamWSettings, LRSchedule
 from distlm.parallel.api import ParallelOptions, parallelize
-from distlm.parallel.names import tied_aliases
+from distlm.parallel.names import tied_aliases, unwrap
 from distlm.parallel.replicas import first_replica_drift
 from distlm.precision import Precision
 
@@ -52,8 +54,9 @@ class Trainer:
                  dist: DistContext | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
-        self.task = config.data.task or (model.task if model is not None else arch_task(config.model.arch))
-        self.arch = config.model.arch if model is None else type(model).__name__
+        self.spec = resolve_model_spec(config.model) if model is None else None
+        self.task = config.data.task or (model.task if model is not None else self.spec.task)
+        self.arch = self.spec.name if model is None else type(model).__name__
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
@@ -61,12 +64,16 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         build = build_model_for_run(
-            config, len(dictionary) if dictionary is not None else 0, dictionary.pad() if dictionary is not None else 1,
-            self.ctx.dims, self.ctx.device, self.precision.param_dtype, model,
+            self.spec, len(dictionary) if dictionary is not None else 0, dictionary.pad() if dictionary is not None else 1,
+            self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
+            load_hf_weights=resume is None or resume.weights_only,
         )
         self.uses_masked_tokens = build.uses_masked_tokens and self.task == "masked_lm"
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device, self._parallel_options(),
-                                              build.whole_model)
+                                              build.whole_model, build.fill_shards)
+        if resume is None:
+            logger.info("starting from %s", f"the weights in --init-from-hf {self.spec.hf_dir}"
+                        if self.spec is not None and self.spec.hf_dir is not None else f"seed {config.seed}")
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,
@@ -97,7 +104,7 @@ class Trainer:
         return load_lm_data(
             cfg.data, split="train", task=self.task, tokens_per_sample=cfg.tokens_per_sample,
             sample_break_mode=cfg.sample_break_mode, seed=self.config.seed, mask_prob=cfg.mask_prob,
-            symbols=symbols,
+            symbols=symbols, mask_special_tokens=cfg.mask_special_tokens,
         )
 
     def _parallel_options(self) -> ParallelOptions:
@@ -167,12 +174,31 @@ class Trainer:
         # In-flight gradients are not saved: a resumed run refills the pipeline with one
         # update that applies nothing, as the first update of any run does.
         self.handle.wait_pending()
+        self.checkpointer.save(names, self.progress, self.model, self.optimizer, self.precision.scaler,
+                               self._describe(), self._write_tokenizer)
+
+    def _describe(self) -> dict[str, Any]:
+        """What distlm.json records beyond the training state: enough to export the model."""
         dictionary = getattr(self.data, "dictionary", None)
-        self.checkpointer.save(names, self.progress, self.model, self.optimizer, self.precision.scaler, {
+        model_config = getattr(unwrap(self.model), "config", None)
+        return {
             "config": self.config.to_dict(),
             "dictionary": list(dictionary.symbols) if dictionary is not None else None,
             "tied_weights": tied_aliases(self.model),
-        })
+            "family": self.spec.family if self.spec is not None else None,
+            "model_config": dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else None,
+            "special_tokens": dataclasses.asdict(self.spec.hf_tokens) if self.spec and self.spec.hf_tokens else None,
+        }
+
+    def _write_tokenizer(self, directory: Path) -> None:
+        """The tokenizer the data was made with, as Hugging Face files, into a checkpoint (rank 0)."""
+        dictionary = getattr(self.data, "dictionary", None)
+        if dictionary is None:
+            return
+        try:
+            save_tokenizer(dictionary, directory / TOKENIZER_DIR, self.task)
+        except UsageError as err:
+            logger.info("checkpoint without tokenizer files: %s", err)
 
     def _done(self) -> bool:
         cfg = self.config.optim

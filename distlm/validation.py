@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from distlm.backends import Backend
-from distlm.config import TrainConfig, arch_overrides, check_settings
+from distlm.builder import resolve_model_spec
+from distlm.config import TrainConfig, check_settings
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models import build_model
 from distlm.models.contract import check_model
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.tp import validate_tp
@@ -97,7 +97,6 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 
 
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> None:
-    """``check_model_fits`` for the named ``--arch``, before any data or rendezvous."""
-    with torch.device("meta"):
-        model = build_model(config.model.arch, vocab_size=_CHECK_VOCAB_SIZE, **arch_overrides(config.model))
-    check_model_fits(model, config, dims, arch=config.model.arch)
+    """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous."""
+    spec = resolve_model_spec(config.model)
+    check_model_fits(spec.build(_CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)

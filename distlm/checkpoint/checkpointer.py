@@ -21,7 +21,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -252,9 +252,11 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scaler,
         describe: dict[str, Any],
+        write_extras: Callable[[Path], None] | None = None,
     ) -> None:
         """Write one checkpoint under ``names`` (collective). ``describe`` adds to distlm.json
-        (dictionary, config); the next save, or ``wait()``, completes an asynchronous one."""
+        (dictionary, config); rank 0 calls ``write_extras(directory)`` to add small files
+        (the tokenizer). The next save, or ``wait()``, completes an asynchronous one."""
         if not names or not self.enabled:
             return
         self.wait()
@@ -263,6 +265,8 @@ class Checkpointer:
         if self.ctx.is_main:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
+            if write_extras is not None:
+                write_extras(staged)
         self.ctx.barrier()
         state = {
             "model": model_state(model),

@@ -21,6 +21,7 @@ from pathlib import Path
 LAST = "checkpoint_last"
 BEST = "checkpoint_best"
 META_FILE = "distlm.json"
+TOKENIZER_DIR = "tokenizer"
 DCP_METADATA_FILE = ".metadata"
 LEGACY_LAST_FILE = "checkpoint_last.pt"
 _INCOMPLETE = ".incomplete-"
@@ -49,9 +50,11 @@ def is_complete(path: Path) -> bool:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` and the directory itself, so a rename publishes data on disk."""
+    """fsync every file under ``path`` and the directories, so a rename publishes data on disk."""
     for entry in path.iterdir():
-        if entry.is_file():
+        if entry.is_dir():
+            fsync_tree(entry)
+        elif entry.is_file():
             fd = os.open(entry, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -90,11 +93,15 @@ def link_copy(source: Path, save_dir: Path, name: str) -> None:
     staged = incomplete(save_dir, name)
     shutil.rmtree(staged, ignore_errors=True)
     staged.mkdir()
-    for entry in source.iterdir():
+    for entry in source.rglob("*"):
+        target = staged / entry.relative_to(source)
+        if entry.is_dir():
+            target.mkdir(exist_ok=True)
+            continue
         try:
-            os.link(entry, staged / entry.name)
+            os.link(entry, target)
         except OSError:  # a file system without hard links
-            shutil.copy2(entry, staged / entry.name)
+            shutil.copy2(entry, target)
 
 
 def recover(save_dir: Path) -> list[str]:

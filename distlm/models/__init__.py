@@ -6,12 +6,13 @@ Parallelism is applied from outside (distlm.parallel), guided by each model clas
 """
 
 from distlm.models.llama import LlamaCausalLM, LlamaConfig
-from distlm.models.registry import ARCHS, arch_config, arch_task, build_model
+from distlm.models.registry import ARCHS, arch_config, arch_family, arch_task, build_model
 from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
 
 __all__ = [
     "ARCHS",
     "arch_config",
+    "arch_family",
     "arch_task",
     "build_model",
     "LlamaCausalLM",

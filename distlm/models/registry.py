@@ -86,6 +86,15 @@ def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig]:
     return ARCHS[arch]
 
 
+FAMILIES: dict[type[nn.Module], str] = {RobertaMaskedLM: "roberta", LlamaCausalLM: "llama"}
+"""Model class -> the family name that fairseq's architecture flags and Hugging Face's model_type use."""
+
+
+def arch_family(arch: str) -> str:
+    """``"roberta"`` or ``"llama"``."""
+    return FAMILIES[_lookup(arch)[0]]
+
+
 def arch_task(arch: str) -> str:
     """``"masked_lm"`` or ``"causal_lm"``: which objective (and data pipeline) the arch trains."""
     model_class, _ = _lookup(arch)

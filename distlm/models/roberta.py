@@ -31,6 +31,8 @@ class RobertaConfig:
     """Dropout on embeddings, attention output and feed-forward output."""
     attention_dropout: float = 0.1
     """Dropout on attention probabilities."""
+    activation_dropout: float = 0.0
+    """Dropout after the feed-forward activation (fairseq's --activation-dropout)."""
     layer_norm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
     vocab_size: int = 0
@@ -44,7 +46,7 @@ class RobertaConfig:
                 raise UsageError(f"model setting {name}={getattr(self, name)} must be positive")
         if self.dim % self.n_heads != 0:
             raise UsageError(f"model setting n_heads={self.n_heads} must divide dim={self.dim}")
-        for name in ("dropout", "attention_dropout"):
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UsageError(f"model setting {name}={getattr(self, name)} must be in [0, 1)")
         if not 0 <= self.padding_idx < self.vocab_size:
@@ -98,10 +100,11 @@ class RobertaEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.ffn_dim, config.dim)
         self.final_layer_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.self_attn_layer_norm(x + self.dropout(self.self_attn(x, attn_mask)))
-        x = self.final_layer_norm(x + self.dropout(self.fc2(F.gelu(self.fc1(x)))))
+        x = self.final_layer_norm(x + self.dropout(self.fc2(self.activation_dropout(F.gelu(self.fc1(x))))))
         return x
 
 

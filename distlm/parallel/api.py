@@ -58,11 +58,13 @@ def parallelize(
     device: torch.device,
     options: ParallelOptions = ParallelOptions(),
     whole_model: Callable[[], nn.Module] | None = None,
+    fill_shards: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, DataParallelHandle]:
     """``model`` parallelised over ``dims``, and the handle the training loop drives it by.
 
-    A model on the meta device is materialised last, shard by shard, from
-    ``whole_model()`` (called on rank 0 only); see ``materialise``.
+    A model on the meta device is materialised last, shard by shard: from
+    ``whole_model()`` (called on rank 0 only; see ``materialise``), or by
+    ``fill_shards(model)``, which fills each rank's own shards in place.
     """
     mesh = dims.build_mesh(device.type)
     if dims.tp_enabled:
@@ -95,8 +97,10 @@ def parallelize(
         logger.info("one data-parallel replica: no gradient all-reduce, so the comm hook settings do nothing")
     if whole_model is not None:
         materialise(model, device, whole_model, cpu_offload=options.cpu_offload)
-        if dims.tp_enabled:
-            shard_gradients_like_parameters(model)  # apply_tp left them to after materialising
+    elif fill_shards is not None:
+        fill_shards(model)
+    if (whole_model is not None or fill_shards is not None) and dims.tp_enabled:
+        shard_gradients_like_parameters(model)  # apply_tp left them to after materialising
     handle = DataParallelHandle(
         model=model,
         dims=dims,
