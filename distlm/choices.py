@@ -18,8 +18,9 @@ OPTIMIZERS = ("adam", "adamw")
 
 LR_SCHEDULERS = ("polynomial_decay", "cosine", "fixed")
 
-DEVICES = ("auto", "cpu", "cuda", "neuron")
-"""``auto`` picks the hardware present; the others name a backend in distlm/backends."""
+DEVICES = ("auto", "cpu", "cuda", "neuron", "xla")
+"""``auto`` picks the hardware present; the others name a backend in distlm/backends
+(``neuron`` is TorchNeuron, ``xla`` any torch-xla PJRT device such as trn1)."""
 
 PRECISIONS = ("fp32", "fp16", "bf16", "memory_efficient_fp16")
 

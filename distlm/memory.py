@@ -56,13 +56,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (their local shards)."""
-    seen: set[tuple[str, int]] = set()
+    seen: set[int] = set()
     total = 0
     for tensor in tensors:
         storage = _local(tensor).untyped_storage()
         if storage.device.type == "meta" or storage.nbytes() == 0:
             continue
-        key = (str(storage.device), storage.data_ptr())
+        # The storage object's own address: shared by every view and alias of one
+        # storage, and defined on every device (an XLA storage has no data pointer).
+        key = storage._cdata
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()

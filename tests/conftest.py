@@ -23,6 +23,7 @@ def pytest_configure(config):
     for name, why in (
         ("gpu", "needs a CUDA GPU"),
         ("neuron", "needs AWS Trainium / torch-neuronx"),
+        ("xla", "needs torch-xla (its own environment, PJRT_DEVICE=CPU): python -m pytest -m xla tests/test_xla.py"),
         ("mpi", "needs OpenMPI and mpi4py; run under mpiexec"),
         ("slow", "longer end-to-end runs"),
     ):

@@ -1,8 +1,10 @@
-"""Backends: device choice, precision rules, the EFA preset, Neuron via a stand-in torch_xla,
-and the shared process-group start on real gloo processes."""
+"""Backends: device choice, precision and strategy rules, the EFA preset, TorchNeuron through a
+stand-in torch_neuronx (tests/neuron_standin), and the shared process-group start on real
+gloo processes. torch-xla itself is tested for real in test_xla.py (its own lane)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -18,24 +20,19 @@ import torch
 import torch.distributed as dist
 
 import distlm
-from distlm.backends import DistributedTimeout, get_backend, resolve_device
+from distributed import run_distributed
+from distlm.backends import DistributedInitError, DistributedTimeout, get_backend, resolve_device
 from distlm.backends.base import create_store
 from distlm.backends.cpu import CpuBackend
-from distlm.backends.cuda import (
-    EFA_PRESET,
-    EFA_RDMA_PRESET,
-    CudaBackend,
-    apply_env_preset,
-    check_cuda_precision,
-    configure_network,
-    find_efa_devices,
-    supports_gpudirect_rdma,
-)
+from distlm.backends.cuda import CudaBackend, check_cuda_precision, supports_gpudirect_rdma
+from distlm.backends.efa import EFA_PRESET, EFA_RDMA_PRESET, apply_env_preset, configure_network, find_efa_devices
 from distlm.backends.neuron import NeuronBackend
+from distlm.backends.xla import XlaBackend
 from distlm.env import ClusterEnv, find_free_port, single_process_env
 from distlm.errors import UsageError
 
 REPO_ROOT = Path(distlm.__file__).resolve().parent.parent
+NEURON_STANDIN = Path(__file__).resolve().parent / "neuron_standin"
 PRECISIONS = ("fp32", "fp16", "bf16", "memory_efficient_fp16")
 
 
@@ -62,8 +59,23 @@ def test_unknown_device_is_a_usage_error():
 
 
 def test_explicit_devices_map_to_their_backends():
-    assert [get_backend(d).dist_backend for d in ("cpu", "cuda", "neuron")] == ["gloo", "nccl", "xla"]
-    assert [get_backend(d).autocast_device_type for d in ("cpu", "cuda", "neuron")] == ["cpu", "cuda", "xla"]
+    devices = ("cpu", "cuda", "neuron", "xla")
+    backends = [get_backend(d) for d in devices]
+    assert [b.dist_backend for b in backends] == ["gloo", "nccl", "neuron", "xla"]
+    assert [b.autocast_device_type for b in backends] == ["cpu", "cuda", "neuron", "xla"]
+    assert [b.compile_backend for b in backends] == ["inductor", "inductor", "neuron", "openxla"]
+    # torch_xla's clip_grad_norm_ raises for foreach=True; everywhere else the multi-tensor kernels run.
+    assert [b.foreach_clip for b in backends] == [True, True, True, None]
+
+
+def test_auto_picks_the_neuron_stack_that_is_installed(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+    assert resolve_device("auto", dev_root=tmp_path) == "cpu"  # a package but no /dev/neuron0
+    (tmp_path / "neuron0").touch()
+    assert resolve_device("auto", dev_root=tmp_path) == "neuron"
+    # trn1's torch-neuronx is built on torch-xla.
+    monkeypatch.setitem(sys.modules, "torch_xla", types.ModuleType("torch_xla"))
+    assert resolve_device("auto", dev_root=tmp_path) == "xla"
 
 
 def test_only_cuda_py_names_nccl():
@@ -197,107 +209,148 @@ def test_tcp_network_never_touches_the_environment(tmp_path):
     assert environ == {}
 
 
-# --------------------------------------------------------------------------- neuron stand-in
+# --------------------------------------------------------------------------- neuron (TorchNeuron)
+#
+# torch-neuronx cannot be installed here (it comes from AWS's repository and needs
+# Trainium), so what is tested is the backend's device-independent logic: in this
+# process the rules that need no device, and in spawned processes the rest, through the
+# stand-in torch_neuronx of tests/neuron_standin. The stand-in registers the neuron device
+# and a neuron process group (gloo under that name) the way the real package does; it
+# changes torch process-wide, so it is only ever imported in child processes.
 
 
-class FakeXla:
-    """A stand-in for torch_xla: records calls; xm.optimizer_step must never be used."""
-
-    def __init__(self, monkeypatch):
-        self.calls: list[str] = []
-        self.sentinel_device = torch.device("meta")
-        torch_xla = types.ModuleType("torch_xla")
-        torch_xla.device = lambda: self.sentinel_device
-        xla_model = types.ModuleType("torch_xla.core.xla_model")
-        xla_model.mark_step = lambda: self.calls.append("mark_step")
-        xla_model.wait_device_ops = lambda: self.calls.append("wait_device_ops")
-        xla_model.xla_device = lambda: self.sentinel_device
-
-        def optimizer_step(*args, **kwargs):
-            raise AssertionError("xm.optimizer_step all-reduces gradients again; must not be called")
-
-        xla_model.optimizer_step = optimizer_step
-        backend_module = types.ModuleType("torch_xla.distributed.xla_backend")
-        for name, module in {
-            "torch_xla": torch_xla,
-            "torch_xla.core": types.ModuleType("torch_xla.core"),
-            "torch_xla.core.xla_model": xla_model,
-            "torch_xla.distributed": types.ModuleType("torch_xla.distributed"),
-            "torch_xla.distributed.xla_backend": backend_module,
-            "torch_neuronx": types.ModuleType("torch_neuronx"),
-        }.items():
-            monkeypatch.setitem(sys.modules, name, module)
-
-
-@pytest.fixture
-def fake_xla(monkeypatch):
-    return FakeXla(monkeypatch)
-
-
-def test_neuron_mark_step_and_synchronize_use_torch_xla(fake_xla):
-    backend = NeuronBackend()
-    backend.mark_step()
-    backend.synchronize()
-    assert fake_xla.calls == ["mark_step", "wait_device_ops"]
-    assert backend.device(single_process_env()) == fake_xla.sentinel_device
-
-
-def test_neuron_optimizer_step_steps_once_then_cuts_the_graph(fake_xla):
-    torch.manual_seed(0)
-    weight = torch.nn.Parameter(torch.randn(3))
-    weight.grad = torch.randn(3)
-    expected = weight.detach() - 0.1 * weight.grad  # plain SGD, computed here
-    NeuronBackend().optimizer_step(torch.optim.SGD([weight], lr=0.1))
-    torch.testing.assert_close(weight.detach(), expected)
-    assert fake_xla.calls == ["mark_step"]
-
-
-def test_neuron_precision_rules():
+def test_neuron_refuses_fp16_and_points_to_bf16():
     backend = NeuronBackend()
     backend.check_precision("bf16")
     backend.check_precision("fp32")
-    for precision in ("fp16", "memory_efficient_fp16"):
-        with pytest.raises(UsageError, match="--bf16"):
+    for precision, flag in (("fp16", "--fp16"), ("memory_efficient_fp16", "--memory-efficient-fp16")):
+        with pytest.raises(UsageError, match=f"{flag} is not supported on --device neuron.*use --bf16"):
             backend.check_precision(precision)
 
 
-def test_neuron_setup_with_stand_in(fake_xla, monkeypatch):
-    monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    NeuronBackend().setup(single_process_env(), "bf16", "tcp")
+def test_neuron_without_torch_neuronx_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_neuronx", None)  # makes `import torch_neuronx` fail
+    with pytest.raises(UsageError) as info:
+        NeuronBackend().setup(single_process_env(), "bf16", "tcp")
+    message = str(info.value)
+    assert "torch-neuronx 2.13.x or 2.14.x" in message and "pip.repos.neuron.amazonaws.com" in message
+    torch_release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert f"torch-neuronx=={torch_release}.*" in message and "\n" not in message
+
+
+def test_neuron_with_the_torch_xla_based_torch_neuronx_points_to_device_xla(monkeypatch):
+    # The pre-2.33 torch-neuronx imports, but registers no neuron device or process group.
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.ModuleType("torch_neuronx"))
+    with pytest.raises(UsageError, match="registers no neuron device.*use --device xla"):
+        NeuronBackend().setup(single_process_env(), "bf16", "tcp")
+
+
+def test_neuron_without_torch_neuronx_exits_2_with_one_line(tmp_path):
+    command = [sys.executable, "-m", "distlm.train", "--device", "neuron", "--bf16", "--no-save", "--max-update", "1"]
+    environ = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "DISTLM_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=environ)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("distlm: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "torch-neuronx" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def neuron_rank_report(sysfs_root: str) -> dict:
+    """On one rank of a torchrun-style job: the TorchNeuron backend through the stand-in,
+    from setup to an all-reduce over the neuron process group."""
+    sys.path.insert(0, str(NEURON_STANDIN))
+    import torch_neuronx
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("distlm").addHandler(handler)
+    logging.getLogger("distlm").setLevel(logging.INFO)
+
+    env = ClusterEnv.detect()
+    backend = get_backend("neuron")
+    backend.sysfs_root = sysfs_root
+    backend.setup(env, "bf16", "auto")
+    device = backend.device(env)
+    backend.init_process_group(env, datetime.timedelta(seconds=60))
+    value = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(value)
+    with torch.autocast(backend.autocast_device_type, dtype=torch.bfloat16):
+        autocast_dtype = torch.get_autocast_dtype("neuron")
+
+    os.environ["NEURON_RT_VISIBLE_CORES"] = str(3 - env.local_rank)  # one core per process
+    own_core = backend.device(env)
+    os.environ["NEURON_RT_VISIBLE_CORES"] = "0-1"
+    try:
+        backend.device(dataclasses.replace(env, local_world_size=4))
+        crowded = ""
+    except UsageError as err:
+        crowded = str(err)
+    return {
+        "standin": torch_neuronx.STANDIN,
+        "accelerator": str(torch.accelerator.current_accelerator()),
+        "device": str(device), "own_core": str(own_core), "crowded": crowded,
+        "process_group": dist.get_backend(), "world_size": dist.get_world_size(), "all_reduce": value.item(),
+        "autocast_dtype": autocast_dtype,
+        "efa": {name: os.environ.get(name) for name in (*EFA_PRESET, *EFA_RDMA_PRESET)},
+        "logged": [line for line in records if line.startswith("network efa")],
+    }
+
+
+def test_neuron_backend_on_two_ranks_through_the_stand_in(tmp_path):
+    sysfs = fake_sysfs(tmp_path, "rdmap16s27")  # a trn node's EFA device
+    ranks = run_distributed(neuron_rank_report, 2, str(sysfs), env={"FI_EFA_USE_HUGE_PAGE": "1"})
+    for rank, report in enumerate(ranks):
+        assert report["standin"] and report["accelerator"] == "neuron"
+        # Four cores visible (NEURON_RT_VISIBLE_CORES unset): local rank r uses core r, as
+        # torchrun's LOCAL_RANK assigns it; one visible core is the process's own, index 0.
+        assert report["device"] == f"neuron:{rank}" and report["own_core"] == "neuron:0"
+        assert "4 ranks on this node but 2 devices visible (NEURON_RT_VISIBLE_CORES=0-1)" in report["crowded"]
+        assert report["process_group"] == "neuron" and report["world_size"] == 2
+        assert report["all_reduce"] == 1.0 + 2.0
+        assert report["autocast_dtype"] == torch.bfloat16
+        # The EFA preset with RDMA (Trainium has it); the user's own value survives.
+        assert report["efa"] == {**EFA_PRESET, **EFA_RDMA_PRESET, "FI_EFA_USE_HUGE_PAGE": "1"}
+    # Logged once, by rank 0, naming what it kept.
+    (line,) = ranks[0]["logged"]
+    assert "FI_PROVIDER=efa" in line and "kept user values FI_EFA_USE_HUGE_PAGE=1" in line
+    assert ranks[1]["logged"] == []
+
+
+# --------------------------------------------------------------------------- xla rules
+#
+# Training on torch-xla is tested for real in test_xla.py; these are the refusals that
+# need no torch-xla.
+
+
+def test_xla_refuses_strategies_its_process_group_cannot_run():
+    backend = XlaBackend()
+    for strategy in ("ddp", "zero1"):
+        backend.check_strategy(strategy, tp_degree=1)
+    with pytest.raises(UsageError, match="--strategy fsdp is FSDP2.*use --strategy ddp or zero1"):
+        backend.check_strategy("fsdp", tp_degree=1)
+    with pytest.raises(UsageError, match="--tp-degree 2 is DTensor tensor parallel.*--tp-degree 1"):
+        backend.check_strategy("ddp", tp_degree=2)
+
+
+def test_xla_refuses_fp16_and_points_to_bf16():
+    backend = XlaBackend()
+    backend.check_precision("bf16")
+    with pytest.raises(UsageError, match="--fp16 is not supported on --device xla.*--bf16"):
+        backend.check_precision("fp16")
+
+
+def test_xla_without_torch_xla_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    with pytest.raises(UsageError, match="needs torch-xla, which is not installed; install torch-xla"):
+        XlaBackend().setup(single_process_env(), "bf16", "tcp")
+    with pytest.raises(UsageError, match="torch_xla failed to import"):
+        XlaBackend().mark_step()
+
+
+def test_xla_with_several_processes_needs_torchrun():
     with pytest.raises(UsageError, match="needs torchrun"):
-        NeuronBackend().setup(make_env(world_size=2, port=1234, launcher="slurm"), "bf16", "tcp")
-
-
-def test_neuron_init_process_group_uses_xla_backend(fake_xla, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: seen.update(backend=backend, **kwargs))
-    NeuronBackend().init_process_group(make_env(port=1234, launcher="torchelastic"), datetime.timedelta(seconds=5))
-    assert seen["backend"] == "xla" and seen["init_method"] == "xla://"
-    # The "xla" backend exists only once torch_xla.distributed.xla_backend is imported.
-    monkeypatch.setitem(sys.modules, "torch_xla.distributed.xla_backend", None)
-    with pytest.raises(UsageError, match="torch_xla.distributed.xla_backend"):
-        NeuronBackend().init_process_group(make_env(port=1234, launcher="torchelastic"), datetime.timedelta(seconds=5))
-
-
-def test_neuron_without_torch_xla_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_xla", None)  # makes `import torch_xla` fail
-    with pytest.raises(UsageError, match="torch-xla.*pip.repos.neuron.amazonaws.com"):
-        NeuronBackend().mark_step()
-    with pytest.raises(UsageError, match="torch-xla"):
-        NeuronBackend().setup(single_process_env(), "bf16", "tcp")
-
-
-def test_neuron_without_torch_neuronx_names_it(fake_xla, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_neuronx", None)
-    monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    with pytest.raises(UsageError, match="torch-neuronx"):
-        NeuronBackend().setup(single_process_env(), "bf16", "tcp")
-
-
-def test_auto_picks_neuron_when_device_and_packages_exist(fake_xla, tmp_path):
-    assert resolve_device("auto", dev_root=tmp_path) == "cpu"  # packages but no /dev/neuron0
-    (tmp_path / "neuron0").touch()
-    assert resolve_device("auto", dev_root=tmp_path) == "neuron"
+        XlaBackend().setup(make_env(world_size=2, port=1234, launcher="slurm"), "bf16", "tcp")
 
 
 # --------------------------------------------------------------------------- process group start
@@ -326,6 +379,16 @@ def test_single_process_group_lets_the_os_pick_the_port():
         assert dist.get_world_size() == 1 and value.item() == 2.0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_process_group_other_than_the_launchers_world_is_refused():
+    # What torch-xla's xla:// does on XLA's CPU device under torchrun: every process
+    # forms a world of its own. Here a real world of 1 is checked against a launch of 2.
+    backend = CpuBackend()
+    backend.init_process_group(single_process_env(), datetime.timedelta(seconds=10))
+    with pytest.raises(DistributedInitError, match="rank 1 of world size 2 .* as rank 0 of 1"):
+        backend.check_joined_world(dataclasses.replace(make_env(rank=1), launcher="torchelastic"))
+    assert not dist.is_initialized()
 
 
 def test_missing_master_address_is_a_usage_error():

@@ -1,15 +1,18 @@
 """What every hardware backend provides, and the process-group start they share.
 
-A backend owns everything that differs between CPU, CUDA and Neuron: the device a rank
-uses, the ``torch.distributed`` backend name, which precisions the hardware supports,
-network presets, and the step boundaries of lazy devices. The trainer talks only to
-this interface, so no other module names NCCL or imports torch_xla.
+A backend owns everything that differs between CPU, CUDA, Neuron and XLA devices: the
+device a rank uses, the ``torch.distributed`` backend name, which precisions and
+strategies the hardware supports, network presets, the ``torch.compile`` backend, and
+the step boundaries of lazy devices. The trainer talks only to this interface, so no
+other module names NCCL or imports torch_xla or torch_neuronx.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
+import sys
 from typing import Mapping
 
 import torch
@@ -38,6 +41,17 @@ def check_network_name(network: str) -> None:
         raise UsageError(f"--network {network!r} is not one of {', '.join(NETWORKS)}")
 
 
+def module_importable(name: str) -> bool:
+    """Whether ``import name`` would find the module, without importing it (importing
+    torch_xla or torch_neuronx starts a device runtime)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def uses_agent_store(env: ClusterEnv, environ: Mapping[str, str]) -> bool:
     """Under torchrun the agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT."""
     return env.launcher == "torchelastic" and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -54,8 +68,7 @@ def create_store(
     (then every worker is a client, as torch's own env:// rendezvous does). The store is
     wrapped in a prefix keyed by ``TORCHELASTIC_RESTART_COUNT``: after a torchrun restart
     the agent's store still holds the previous attempt's gloo addresses, and workers
-    that read them fail with "connectFullMesh ... Connection refused" or hang
-    (FACTS.md: 4-5 of 6 runs without the prefix, 16 of 16 fine with it).
+    that read them fail with "connectFullMesh ... Connection refused" or hang.
     """
     environ = os.environ if environ is None else environ
     if env.master_addr is None:
@@ -105,6 +118,11 @@ class Backend:
 
     name: str = ""
     dist_backend: str = ""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend that compiles for this hardware."""
+    foreach_clip: bool | None = True
+    """``foreach`` for ``torch.nn.utils.clip_grad_norm_``: torch's multi-tensor kernels,
+    unless the device refuses them (None lets torch choose)."""
 
     @property
     def autocast_device_type(self) -> str:
@@ -121,6 +139,10 @@ class Backend:
     def check_network(self, network: str) -> None:
         check_network_name(network)
 
+    def check_strategy(self, strategy: str, tp_degree: int) -> None:
+        """UsageError if this hardware cannot run ``--strategy`` with ``--tp-degree``; every
+        strategy runs wherever torch.distributed's FSDP2 and DTensor do."""
+
     def setup(self, env: ClusterEnv, precision: str, network: str = "auto") -> None:
         """Validate the request against the hardware and apply presets; before any process group."""
         self.check_precision(precision)
@@ -134,6 +156,23 @@ class Backend:
             )
         except (dist.DistError, RuntimeError) as err:
             raise describe_init_failure(err, env, env.master_port or 0, timeout, "the process group") from err
+        self.check_joined_world(env)
+
+    def check_joined_world(self, env: ClusterEnv) -> None:
+        """DistributedInitError unless the process group has this rank where the launcher put it.
+
+        A backend that finds rank and world size itself (torch-xla's ``xla://``) can form a
+        world other than the launcher's; every rank then trains alone, silently.
+        """
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if (rank, world_size) == (env.rank, env.world_size):
+            return
+        dist.destroy_process_group()
+        raise DistributedInitError(
+            f"rank {env.rank} of world size {env.world_size} (launcher {env.launcher}) joined the "
+            f"{self.dist_backend} process group as rank {rank} of {world_size}: the {self.name} runtime "
+            "does not see the other processes of this job"
+        )
 
     def mark_step(self) -> None:
         """End of a traced step; only lazy (XLA) devices need one."""

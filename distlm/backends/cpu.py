@@ -24,4 +24,4 @@ class CpuBackend(Backend):
         super().check_network(network)
         if network == "efa":
             # gloo only speaks TCP sockets; there is no libfabric path to switch on.
-            raise UsageError("--network efa needs --device cuda or neuron; gloo on --device cpu uses TCP only")
+            raise UsageError("--network efa needs --device cuda, neuron or xla; gloo on --device cpu uses TCP only")

@@ -1,56 +1,17 @@
-"""CUDA: NCCL collectives, one GPU per local rank, and the AWS EFA network preset.
+"""CUDA: NCCL collectives, one GPU per local rank, bf16 only from Ampere on.
 
 The rules that do not need a GPU -- which precisions a compute capability supports,
-whether an EFA device exists, which environment variables the preset sets -- are pure
-functions of their inputs, so they are tested on a CPU-only machine.
+which GPUs have EFA RDMA -- are pure functions of the capability, so they are tested
+on a CPU-only machine. Device choice and the EFA preset are the accelerator base's.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
-from typing import MutableMapping
-
 import torch
 
-from distlm.backends.base import Backend, check_network_name, check_precision_name
-from distlm.env import ClusterEnv, device_index
+from distlm.backends.accelerator import AcceleratorBackend
+from distlm.backends.base import check_precision_name
 from distlm.errors import UsageError
-
-logger = logging.getLogger(__name__)
-
-# Settings for NCCL over EFA through the aws-ofi-nccl plugin, following AWS's EFA
-# cheatsheet (aws-samples/awsome-distributed-training, 1.architectures/efa-cheatsheet.md)
-# and the aws-ofi-nccl maintainers. Only settings that are right on every EFA stack:
-EFA_PRESET: dict[str, str] = {
-    # Pin libfabric to the EFA provider. Otherwise a broken EFA install silently falls
-    # back to the TCP provider and training runs at a fraction of the bandwidth with no
-    # error; pinned, it fails at NCCL init. Needed by aws-ofi-nccl <= 1.5, harmless after.
-    "FI_PROVIDER": "efa",
-    # DataLoader workers fork after NCCL registered memory with the EFA device; on
-    # kernels before 5.15 (no copy-on-fork for pinned pages) that corrupts registered
-    # buffers. Libfabric ignores it where the kernel makes it unnecessary.
-    "FI_EFA_FORK_SAFE": "1",
-    # Libfabric's huge-page bounce buffers can leave fork() in DataLoader workers failing
-    # with "OSError: Cannot allocate memory"; AWS recommends 0 on every software version,
-    # at a minor speed cost.
-    "FI_EFA_USE_HUGE_PAGE": "0",
-}
-# Deliberately absent: NCCL_PROTO=simple (aws-ofi-nccl >= 1.7 chooses the protocol per
-# platform; forcing Simple loses LL128 on p5), NCCL_SOCKET_IFNAME (interface names differ
-# between AMIs and a wrong guess breaks NCCL's bootstrap), NCCL_ALGO / NCCL_MIN_NCHANNELS
-# / NCCL_BUFFSIZE (AWS: keep NCCL's defaults), RDMAV_FORK_SAFE (AWS: can break newer kernels).
-
-# GPUDirect RDMA over EFA (GPU memory straight onto the wire) exists on p4d/p4de/p5
-# instances. Libfabric >= 1.18 with aws-ofi-nccl >= 1.7 turns it on by itself; older
-# stacks need this. Setting it where the EFA device cannot do RDMA read makes libfabric
-# refuse to start, hence the capability gate in supports_gpudirect_rdma().
-EFA_RDMA_PRESET: dict[str, str] = {"FI_EFA_USE_DEVICE_RDMA": "1"}
-
-_EFA_DEVICE_PREFIXES = ("rdmap", "efa")
 
 
 def check_cuda_precision(precision: str, capability: tuple[int, int]) -> None:
@@ -75,101 +36,13 @@ def supports_gpudirect_rdma(capability: tuple[int, int]) -> bool:
     return major >= 8 and minor == 0
 
 
-def build_efa_preset(gpudirect_rdma: bool) -> dict[str, str]:
-    preset = dict(EFA_PRESET)
-    if gpudirect_rdma:
-        preset.update(EFA_RDMA_PRESET)
-    return preset
-
-
-def find_efa_devices(sysfs_root: str | os.PathLike = "/sys") -> list[str]:
-    """Names of EFA devices under ``<sysfs_root>/class/infiniband`` (``rdmap16s27``, ``efa_0``...)."""
-    directory = Path(sysfs_root) / "class" / "infiniband"
-    try:
-        names = sorted(entry.name for entry in directory.iterdir())
-    except OSError:
-        return []
-    return [name for name in names if name.startswith(_EFA_DEVICE_PREFIXES)]
-
-
-def _fi_info_reports_efa() -> bool:
-    # Containers sometimes hide /sys/class/infiniband but still have the EFA device
-    # mounted and libfabric installed; ask libfabric itself then.
-    fi_info = shutil.which("fi_info")
-    if fi_info is None:
-        return False
-    try:
-        result = subprocess.run([fi_info, "-p", "efa"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return result.returncode == 0 and "provider: efa" in result.stdout
-
-
-def efa_available(sysfs_root: str | os.PathLike = "/sys", use_fi_info: bool = True) -> bool:
-    return bool(find_efa_devices(sysfs_root)) or (use_fi_info and _fi_info_reports_efa())
-
-
-def apply_env_preset(
-    preset: dict[str, str], environ: MutableMapping[str, str]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Set each preset variable the user has not set. Returns (applied, kept user values)."""
-    applied, kept = {}, {}
-    for name, value in preset.items():
-        if name in environ:
-            kept[name] = environ[name]
-        else:
-            environ[name] = value
-            applied[name] = value
-    return applied, kept
-
-
-def configure_network(
-    network: str,
-    environ: MutableMapping[str, str],
-    gpudirect_rdma: bool,
-    sysfs_root: str | os.PathLike = "/sys",
-    use_fi_info: bool = True,
-    log: bool = True,
-) -> dict[str, str]:
-    """Apply the EFA preset for ``--network`` to ``environ``; returns what was set.
-
-    ``efa`` requires an EFA device (no silent fallback to TCP); ``auto`` applies the
-    preset when one exists and does nothing otherwise; ``tcp`` never touches it.
-    """
-    check_network_name(network)
-    if network == "tcp":
-        return {}
-    found = efa_available(sysfs_root, use_fi_info)
-    if not found:
-        if network == "efa":
-            raise UsageError(
-                f"--network efa but no EFA device was found (nothing named rdmap*/efa* in "
-                f"{Path(sysfs_root) / 'class' / 'infiniband'}, and `fi_info -p efa` found none); "
-                "attach an EFA interface to the instance or use --network tcp"
-            )
-        return {}
-    applied, kept = apply_env_preset(build_efa_preset(gpudirect_rdma), environ)
-    if log:
-        logger.info(
-            "network efa: set %s; kept user values %s",
-            " ".join(f"{k}={v}" for k, v in applied.items()) or "nothing",
-            " ".join(f"{k}={v}" for k, v in kept.items()) or "none",
-        )
-    return applied
-
-
-class CudaBackend(Backend):
+class CudaBackend(AcceleratorBackend):
     name = "cuda"
     dist_backend = "nccl"
+    device_type = "cuda"
+    visible_devices_variable = "CUDA_VISIBLE_DEVICES"
 
-    @property
-    def autocast_device_type(self) -> str:
-        return "cuda"
-
-    def device(self, env: ClusterEnv) -> torch.device:
-        return torch.device("cuda", device_index(env.local_rank, env.local_world_size, torch.cuda.device_count()))
-
-    def _require_cuda(self) -> None:
+    def require_runtime(self) -> None:
         if not torch.cuda.is_available():
             raise UsageError(
                 "--device cuda but torch.cuda.is_available() is False; install a CUDA build of torch "
@@ -181,14 +54,8 @@ class CudaBackend(Backend):
         if torch.cuda.is_available():
             check_cuda_precision(precision, torch.cuda.get_device_capability(torch.cuda.current_device()))
 
-    def setup(self, env: ClusterEnv, precision: str, network: str = "auto") -> None:
-        self._require_cuda()
-        index = device_index(env.local_rank, env.local_world_size, torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        capability = torch.cuda.get_device_capability(index)
-        check_cuda_precision(precision, capability)
-        # Before the process group: NCCL and libfabric read these at communicator init.
-        configure_network(network, os.environ, supports_gpudirect_rdma(capability), log=env.rank == 0)
+    def check_device_precision(self, precision: str, index: int) -> None:
+        check_cuda_precision(precision, torch.cuda.get_device_capability(index))
 
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
+    def supports_gpudirect_rdma(self, index: int) -> bool:
+        return supports_gpudirect_rdma(torch.cuda.get_device_capability(index))
