@@ -12,22 +12,30 @@ the same way (same seed, or the same files).
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distlm.config import ModelConfig, arch_overrides
+from distlm.config import ModelConfig, TrainConfig, arch_overrides
+from distlm.data import load_lm_data
+from distlm.memory import memory_report
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models import ARCHS
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io
 from distlm.models.registry import FAMILIES
+from distlm.parallel.api import ParallelOptions
 from distlm.parallel.names import single_device_name
+
+if TYPE_CHECKING:  # only annotates: distributed.py validates with this module's specs
+    from distlm.distributed import DistContext
+
+logger = logging.getLogger("distlm")
 
 # Settings that set sizes: --init-from-hf takes them from config.json, so they must agree.
 _SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size", "tie_word_embeddings")
@@ -133,8 +141,6 @@ class ModelBuild:
     """Initialised on the training device, or still on meta when one of the fillers below is set."""
     name: str
     """What checkpoints record as the arch: ``--arch``, ``hf_<model_type>`` or the user's model class."""
-    uses_masked_tokens: bool
-    """A masked LM whose forward takes ``masked_tokens`` computes logits at masked positions only."""
     whole_model: Callable[[], nn.Module] | None = None
     """Rank 0's whole initialised copy on the host, to fill the shards of a meta model."""
     fill_shards: Callable[[nn.Module], None] | None = None
@@ -155,24 +161,21 @@ def build_model_for_run(
     """``load_hf_weights=False`` (a resumed run) builds a Hugging Face model without reading its weights."""
     if user_model is not None:
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
-        return ModelBuild(model.to(device=device, dtype=param_dtype), type(user_model).__name__,
-                          _takes_masked_tokens(user_model))
+        return ModelBuild(model.to(device=device, dtype=param_dtype), type(user_model).__name__)
     model = spec.build(vocab_size, padding_idx)
-    masked_tokens = _takes_masked_tokens(model)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
     from_hf = spec.hf_dir is not None and load_hf_weights
     if not sharded:
         model = _from_hf(model, spec, device, param_dtype) if from_hf else _initialised(model, device, param_dtype, seed)
-        return ModelBuild(model, spec.name, masked_tokens)
+        return ModelBuild(model, spec.name)
     model = model.to(dtype=param_dtype)  # still meta: no memory yet
     if from_hf:
-        return ModelBuild(model, spec.name, masked_tokens,
-                          fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec, device))
+        return ModelBuild(model, spec.name, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec, device))
 
     def whole_model() -> nn.Module:
         return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
 
-    return ModelBuild(model, spec.name, masked_tokens, whole_model=whole_model)
+    return ModelBuild(model, spec.name, whole_model=whole_model)
 
 
 def _initialised(model: nn.Module, device: torch.device, param_dtype: torch.dtype, seed: int) -> nn.Module:
@@ -228,5 +231,53 @@ def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def _takes_masked_tokens(model: nn.Module) -> bool:
-    return getattr(model, "task", None) == "masked_lm" and "masked_tokens" in inspect.signature(model.forward).parameters
+def training_data(config: TrainConfig, task: str, symbols: list[str] | None) -> Any:
+    """The train split of ``--data`` (the built-in corpus by default); ``symbols`` from a
+    checkpoint must agree with its vocabulary."""
+    settings = config.data
+    return load_lm_data(
+        settings.data, split="train", task=task, tokens_per_sample=settings.tokens_per_sample,
+        sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
+        symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
+    )
+
+
+def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
+    """The command line's distributed settings as the plain values ``parallelize`` takes."""
+    settings = config.distributed
+    return ParallelOptions(
+        precision=config.precision_mode, sequence_parallel=settings.sequence_parallel,
+        activation_checkpointing=settings.activation_checkpointing, bucket_cap_mb=settings.bucket_cap_mb,
+        comm_hook=settings.comm_hook, comm_transport=settings.comm_transport,
+        double_buffering=settings.double_buffering, ranks_per_node=settings.ranks_per_node,
+        cpu_offload=settings.cpu_offload,
+        node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
+        compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
+        foreach_clip=ctx.backend.foreach_clip,
+    )
+
+
+def log_start(ctx: DistContext, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int) -> None:
+    """Rank 0 says what it found before the first update, which may take minutes: the
+    data, the model's size and what each rank holds of it, and where it starts from
+    (``fresh``: the spec of a run not resumed from a checkpoint)."""
+    if not ctx.is_main:
+        return
+    dictionary = getattr(data, "dictionary", None)
+    logger.info("data: %d training samples%s", len(data),
+                f", vocabulary of {len(dictionary)} symbols" if dictionary is not None else "")
+    held = memory_report(model, None)
+    logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
+                f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
+    if fresh is not None:
+        logger.info("starting from %s", f"the weights in --init-from-hf {fresh.hf_dir}"
+                    if fresh.hf_dir is not None else f"seed {seed}")
+
+
+def _parameter_count(model: nn.Module) -> int:
+    """Single-device parameter count of a (possibly sharded) model."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())

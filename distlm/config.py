@@ -142,6 +142,8 @@ class PrecisionConfig:
     """Stop when the fp16 loss scale falls below this (the run has diverged)."""
     fp16_max_skips: int = 20
     """Stop when this many consecutive fp16 updates overflowed (the run has diverged)."""
+    allow_slow_fp16: bool = False
+    """Run --fp16 on a device whose fp16 arithmetic is far slower than fp32 (a CPU), for tests and debugging."""
 
 
 @dataclass

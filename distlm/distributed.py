@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from distlm.backends import Backend, get_backend
 from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
+from distlm.heartbeat import Heartbeat, describe_missing
 from distlm.mesh import ParallelDims
 from distlm.validation import validate
 
@@ -39,6 +41,8 @@ class DistContext:
     device: torch.device
     dims: ParallelDims
     timeout: datetime.timedelta
+    heartbeat: Heartbeat | None = None
+    """Side channel naming the ranks a hung collective waits for; None in a single process."""
 
     @property
     def rank(self) -> int:
@@ -60,6 +64,11 @@ class DistContext:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel group; None in a single process."""
         return self.dims.dp_group(self.device.type)
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank; None in a single process."""
+        return dist.group.WORLD if self.is_distributed else None
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -105,7 +114,10 @@ class DistContext:
 
     @contextlib.contextmanager
     def naming_failed_collectives(self, update: int) -> Iterator[None]:
-        """Turn torch's transport-level error inside the block into one line naming the ranks."""
+        """Run one update's collectives; a transport error inside becomes one line naming the
+        ranks that did not arrive and how far each got (from the heartbeat side channel)."""
+        if self.heartbeat is not None:
+            self.heartbeat.entered = update
         try:
             yield
         except RuntimeError as err:
@@ -115,15 +127,13 @@ class DistContext:
             )
             if not self.is_distributed or not transport:
                 raise
-            # An update's collectives span the dp group (the token count, DDP/FSDP), the tp
-            # group (tensor parallel) and the world (--check-replicas), so the ranks that
-            # may be missing are all of them.
-            ranks = list(range(self.world_size))
+            missing = describe_missing(self.heartbeat.ranks() if self.heartbeat else None, update, self.rank)
             raise CollectiveFailure(
-                f"rank {self.rank}: a collective of update {update} among ranks {ranks} "
-                f"did not complete (--timeout-sec {self.timeout.total_seconds():g}): {cause}. "
-                "Another rank probably died or stalled; its own log says why."
+                f"rank {self.rank}: a collective of update {update} did not complete "
+                f"(--timeout-sec {self.timeout.total_seconds():g}): {missing}. Cause: {cause}"
             ) from err
+        if self.heartbeat is not None:
+            self.heartbeat.completed = max(self.heartbeat.completed, update)
 
     def close(self) -> None:
         """Let gloo's worker thread release the last collective before the process may exit.
@@ -137,6 +147,9 @@ class DistContext:
         it for the command line.
         """
         self.barrier()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
 
 
 def init_distributed(config, model: torch.nn.Module | None = None) -> DistContext:
@@ -159,12 +172,29 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     backend = get_backend(settings.device)
     dims = validate(config, env, backend, model)
     backend.setup(env, config.precision_mode, settings.network)
-    device = backend.device(env)
     timeout = datetime.timedelta(seconds=settings.timeout_sec)
     if env.is_distributed and not dist.is_initialized():
         backend.init_process_group(env, timeout)
-    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout)
+    # After the process group: a PJRT device learns its place in the job from it.
+    device = backend.device(env)
+    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout,
+                          heartbeat=_start_heartbeat(env, timeout))
     if context.is_main:
         logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
                     env.describe(), device, dims.dp, dims.tp, dims.strategy)
     return context
+
+
+def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat | None:
+    """A beat a tenth of the timeout apart (0.1-2 s): a failed collective names its
+    missing ranks within a few beats of the timeout."""
+    if not env.is_distributed or env.master_addr is None or env.master_port is None:
+        return None
+    interval = min(2.0, max(0.1, timeout.total_seconds() / 10))
+    try:
+        return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
+                         restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except (RuntimeError, dist.DistStoreError) as err:
+        logger.warning("rank %d: no heartbeat side channel (%s); a hung collective will not name its ranks",
+                       env.rank, err)
+        return None

@@ -14,6 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from distlm.errors import UsageError
+from distlm.plan.flops import flops_per_token, measure_cpu_matmul_flops, peak_flops
+
 LN2 = math.log(2)
 
 
@@ -27,8 +30,16 @@ class TrainStats:
 
     FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples")
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", flops_per_token: float = 0.0,
+                 peak_flops_per_device: float = 0.0, devices: int = 1) -> None:
+        """``flops_per_token`` and ``peak_flops_per_device`` (0: unknown) give the MFU of
+        ``devices`` devices; the tokens are the global input tokens of the run."""
         self.device = torch.device(device)
+        self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
+        self.run_input_tokens = 0.0
+        self._start_interval()
+
+    def _start_interval(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.counts = [0, 0, 0]
         self.updates = 0
@@ -47,17 +58,47 @@ class TrainStats:
             dist.all_reduce(sums, group=group)
         elapsed = time.perf_counter() - self.started
         values = dict(zip(self.FIELDS, sums.tolist()))
+        self.run_input_tokens += values["input_tokens"]
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
+        tokens_per_s = values["input_tokens"] / elapsed
         return {
             "loss": round(loss, 4),
             "ppl": round(perplexity(loss), 2),
-            "wps": round(values["input_tokens"] / elapsed, 1),
+            "wps": round(tokens_per_s, 1),
             "ups": round(self.updates / elapsed, 3),
             "bsz": values["samples"] / max(self.updates, 1),
+            "tokens_per_sec_per_device": round(tokens_per_s / self.devices, 1),
+            "mfu": round(self.mfu(tokens_per_s), 5),
         }
 
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOP/s over the peak of every device (0 when the peak is unknown)."""
+        if not self.peak_flops_per_device:
+            return 0.0
+        return tokens_per_s * self.flops_per_token / (self.peak_flops_per_device * self.devices)
+
+    def run_mfu(self, train_wall: float) -> float:
+        """The MFU of the whole run so far, from the tokens of every logged interval."""
+        return self.mfu(self.run_input_tokens / train_wall) if train_wall > 0 else 0.0
+
     def reset(self) -> None:
-        self.__init__(self.device)
+        self._start_interval()
+
+
+def mfu_inputs(model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOPs per token, peak FLOP/s per device) for MFU; 0 where the model's shape or
+    the device's peak is unknown (a user's model, a GPU without a table entry)."""
+    try:
+        per_token = flops_per_token(model, seq_len)
+    except (TypeError, UsageError):
+        per_token = 0.0
+    try:
+        # On CPU a short probe: the log's MFU needs the order of magnitude, not a benchmark.
+        peak = measure_cpu_matmul_flops(dtype, size=256, min_seconds=0.2) if device_type == "cpu" else \
+            peak_flops(device_type, dtype)
+    except UsageError:
+        peak = 0.0
+    return per_token, peak
 
 
 def perplexity(loss_bits: float) -> float:

@@ -18,25 +18,39 @@ import torch
 
 
 class DynamicLossScaler:
-    """Halve the scale on overflow; double it after ``scale_window`` clean updates."""
+    """Halve the scale on overflow; double it after ``scale_window`` clean updates.
 
-    def __init__(self, init_scale: float, scale_window: int, min_scale: float, factor: float = 2.0):
+    A run whose scale falls below ``min_scale``, or that overflows ``max_skips`` updates
+    in a row, has diverged: ``update`` raises ``FloatingPointError``.
+    """
+
+    def __init__(self, init_scale: float, scale_window: int, min_scale: float, factor: float = 2.0,
+                 max_skips: int | None = None):
         self.scale = float(init_scale)
         self.scale_window = scale_window
         self.min_scale = min_scale
         self.factor = factor
+        self.max_skips = max_skips
         self._clean_updates = 0
+        self.consecutive_skips = 0
 
     def update(self, overflow: bool) -> None:
         if overflow:
             self.scale /= self.factor
             self._clean_updates = 0
+            self.consecutive_skips += 1
             if self.scale < self.min_scale:
                 raise FloatingPointError(
                     f"fp16 loss scale fell below --min-loss-scale {self.min_scale}: the loss is diverging; "
                     "lower --lr or use --bf16/fp32"
                 )
+            if self.max_skips is not None and self.consecutive_skips >= self.max_skips:
+                raise FloatingPointError(
+                    f"{self.consecutive_skips} fp16 updates in a row overflowed (--fp16-max-skips {self.max_skips}): "
+                    "the loss is diverging; lower --lr or use --bf16/fp32"
+                )
             return
+        self.consecutive_skips = 0
         self._clean_updates += 1
         if self._clean_updates % self.scale_window == 0:
             self.scale *= self.factor
@@ -57,14 +71,16 @@ class Precision:
     scaler: DynamicLossScaler | None = None
 
     @classmethod
-    def from_mode(cls, mode: str, init_scale: float = 128.0, scale_window: int = 256, min_scale: float = 1e-4):
-        scaler = DynamicLossScaler(init_scale, scale_window, min_scale) if "fp16" in mode else None
+    def from_mode(cls, mode: str, init_scale: float = 128.0, scale_window: int = 256, min_scale: float = 1e-4,
+                  max_skips: int | None = None):
+        scaler = DynamicLossScaler(init_scale, scale_window, min_scale, max_skips=max_skips) if "fp16" in mode else None
         return cls(mode, scaler)
 
     @classmethod
     def from_config(cls, mode: str, settings) -> "Precision":
         """From the precision mode and a ``PrecisionConfig`` (loss-scaler settings)."""
-        return cls.from_mode(mode, settings.fp16_init_scale, settings.fp16_scale_window, settings.min_loss_scale)
+        return cls.from_mode(mode, settings.fp16_init_scale, settings.fp16_scale_window, settings.min_loss_scale,
+                             settings.fp16_max_skips)
 
     @property
     def param_dtype(self) -> torch.dtype:

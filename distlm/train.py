@@ -13,7 +13,15 @@ import sys
 import time
 from typing import NoReturn, Sequence
 
+import torch.distributed as dist
+
+from distlm.backends.base import DistributedInitError
+from distlm.checkpoint import CheckpointError
+from distlm.config import parse_args
+from distlm.distributed import CollectiveFailure
+from distlm.divergence import DivergenceError
 from distlm.errors import UsageError
+from distlm.trainer import Trainer
 
 
 def _rank_from_environment() -> int:
@@ -42,27 +50,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        from distlm.config import parse_args
-
         config = parse_args(argv)
-        from distlm.trainer import Trainer
-
         trainer = Trainer(config)
-        trainer.fit()
+        trainer.precompile() if config.compile.precompile else trainer.fit()
     except UsageError as exc:
         if not is_main:
             time.sleep(_SECOND_REPORTER_DELAY_SEC)
         print(f"distlm: error: {'' if is_main else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
         return UsageError.exit_code
-    except RuntimeError as exc:
+    except DivergenceError as exc:
+        # Every rank meets it at the same update; rank 0's line is enough.
+        if is_main:
+            print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except (DistributedInitError, CollectiveFailure, CheckpointError) as exc:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
-        from distlm.backends.base import DistributedInitError
-        from distlm.checkpoint import CheckpointError
-        from distlm.distributed import CollectiveFailure
-
-        if not isinstance(exc, (DistributedInitError, CollectiveFailure, CheckpointError)):
-            raise
         print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -71,8 +74,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _shutdown() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

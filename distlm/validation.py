@@ -19,6 +19,7 @@ from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import check_model
 from distlm.parallel.fsdp import check_cpu_offload
+from distlm.plan.flops import measure_cpu_matmul_flops
 from distlm.parallel.tp import validate_tp
 
 # Any vocabulary will do for shape checks: tensor parallel splits heads and feed-forward
@@ -39,6 +40,9 @@ def validate(
     dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, strategy=settings.strategy)
     check_strategy_options(config, dims)
     backend.check_precision(config.precision_mode)
+    backend.check_strategy(settings.strategy, settings.tp_degree)
+    if backend.name == "cpu" and "fp16" in config.precision_mode and not config.precision.allow_slow_fp16:
+        check_cpu_fp16_speed()
     backend.check_network(settings.network)
     check_cpu_offload(settings.cpu_offload, backend.name)
     if model is not None:
@@ -47,6 +51,28 @@ def validate(
     else:
         check_arch_fits(config, dims)
     return dims
+
+
+# fp16 this many times slower than fp32 is refused: a run would take hours instead of minutes.
+_SLOW_FP16_FACTOR = 10.0
+
+
+def check_cpu_fp16_speed() -> None:
+    """UsageError when fp16 matrix multiplies on this CPU are far slower than fp32 ones.
+
+    Most CPUs have no fast fp16 arithmetic: torch falls back to a scalar loop, tens to
+    hundreds of times slower than fp32, while bf16 runs at fp32 speed or faster. A short
+    timed probe (a quarter of a second) finds it before a run silently takes hours.
+    """
+    # The best of many fp32 calls: a busy machine slows some calls, never speeds one up.
+    fp32 = measure_cpu_matmul_flops("fp32", size=256, min_seconds=0.2)
+    fp16 = measure_cpu_matmul_flops("fp16", size=256, min_seconds=0.05)
+    if fp16 * _SLOW_FP16_FACTOR < fp32:
+        raise UsageError(
+            f"--fp16 on this CPU: an fp16 matrix multiply runs {fp32 / fp16:.0f} times slower than fp32 here "
+            f"({fp16 / 1e9:.1f} against {fp32 / 1e9:.1f} GFLOP/s); use --bf16 (as fast as fp32 or faster), "
+            "or --allow-slow-fp16 to run it anyway"
+        )
 
 
 def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
@@ -99,4 +125,4 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> None:
     """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous."""
     spec = resolve_model_spec(config.model)
-    check_model_fits(spec.build(_CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)
+    check_model_fits(spec.build(spec.config.vocab_size or _CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)

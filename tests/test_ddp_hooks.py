@@ -82,7 +82,7 @@ def train_double_buffered(args: list[str]) -> dict:
     "extra",
     [["--comm-hook", "allreduce"], ["--comm-hook", "fp16"],
      # fp16 training: stale gradients must be unscaled with the loss scale they were made with.
-     ["--fp16", "--fp16-scale-window", "2"]],
+     ["--fp16", "--allow-slow-fp16", "--fp16-scale-window", "2"]],
     ids=["allreduce", "fp16-hook", "fp16-loss-scaling"],
 )
 def test_double_buffering_skips_the_first_update_and_keeps_replicas_identical(data_dir, tmp_path, extra):

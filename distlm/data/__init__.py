@@ -1,8 +1,8 @@
 """Data: byte and Hugging Face tokenizers, built-in corpus, fairseq/Megatron indexed datasets, masking, sampling.
 
-The built-in corpus lives in ``distlm.data.corpus`` and is not imported here, so that
-``python -m distlm.data.corpus`` runs it without runpy's double-import warning; so does
-``distlm.data.prepare`` (``python -m distlm.data.prepare``: text to training data).
+``python -m distlm.data`` prints the built-in corpus's figures. ``distlm.data.prepare`` is
+not imported here, so ``python -m distlm.data.prepare`` (text to training data) runs
+without runpy's double-import warning.
 """
 
 from distlm.data.blocks import TokenBlockDataset, compute_block_boundaries

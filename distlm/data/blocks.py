@@ -11,9 +11,9 @@ from typing import Protocol
 
 import numpy as np
 
+from distlm.choices import SAMPLE_BREAK_MODES
 from distlm.errors import UsageError
 
-BREAK_MODES = ("none", "complete", "eos")
 
 
 class SentenceDataset(Protocol):
@@ -39,8 +39,8 @@ def compute_block_boundaries(
 
     Blocks shorter than ``min_length`` are dropped (a causal sample needs two tokens).
     """
-    if break_mode not in BREAK_MODES:
-        raise UsageError(f"sample_break_mode {break_mode!r} is not one of {', '.join(BREAK_MODES)}")
+    if break_mode not in SAMPLE_BREAK_MODES:
+        raise UsageError(f"sample_break_mode {break_mode!r} is not one of {', '.join(SAMPLE_BREAK_MODES)}")
     if block_size < 1:
         raise UsageError(f"block size {block_size} must be at least 1; raise tokens_per_sample")
     sizes = np.asarray(sizes, dtype=np.int64)

@@ -255,13 +255,3 @@ def _build(directory: Path) -> dict:
     # Written last: its presence is what marks a corpus directory as complete.
     (directory / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return stats
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    stats = corpus_stats()
-    print(json.dumps(stats, indent=2, sort_keys=True))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from distlm.data.dictionary import Vocabulary
+from distlm.data.tokenizer import write_hf_tokenizer
 from distlm.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -270,6 +271,4 @@ def save_tokenizer(vocabulary: Vocabulary, out_dir: str | os.PathLike, task: str
     """
     if isinstance(vocabulary, HFVocabulary):
         return vocabulary.copy_tokenizer_files(out_dir)
-    from distlm.data.tokenizer import write_hf_tokenizer
-
     return write_hf_tokenizer(vocabulary, out_dir, task)

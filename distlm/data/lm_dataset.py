@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from distlm.data.blocks import BREAK_MODES, TokenBlockDataset
+from distlm.choices import SAMPLE_BREAK_MODES, TASKS
+from distlm.data.blocks import TokenBlockDataset
+from distlm.data.corpus import ensure_builtin_corpus
 from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
 from distlm.data.hf_tokenizer import HFVocabulary, is_hf_tokenizer_dir
 from distlm.data.indexed_dataset import MMapIndexedDataset
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
 from distlm.errors import UsageError
 
-TASKS = ("masked_lm", "causal_lm")
 _EXPECTED_LAYOUT = (
     "a fairseq-preprocess output directory (dict.txt, train.bin/.idx, valid.bin/.idx) "
     "or a python -m distlm.data.prepare one (tokenizer.json, train.bin/.idx, valid.bin/.idx)"
@@ -144,8 +145,8 @@ def load_lm_data(
     """
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
-    if sample_break_mode not in BREAK_MODES:
-        raise UsageError(f"sample_break_mode {sample_break_mode!r} is not one of {', '.join(BREAK_MODES)}")
+    if sample_break_mode not in SAMPLE_BREAK_MODES:
+        raise UsageError(f"sample_break_mode {sample_break_mode!r} is not one of {', '.join(SAMPLE_BREAK_MODES)}")
     minimum = 2 if task == "masked_lm" else 1
     if tokens_per_sample < minimum:
         raise UsageError(f"tokens_per_sample {tokens_per_sample} must be at least {minimum} for {task}")
@@ -185,10 +186,6 @@ def load_lm_data(
 def data_directory(path: str | os.PathLike | None) -> Path:
     """The data directory for ``path`` (``None``: the built-in corpus, built on first use)."""
     if path is None:
-        # Imported here so that `python -m distlm.data.corpus` does not find its own module
-        # already imported through the package (runpy warns about that).
-        from distlm.data.corpus import ensure_builtin_corpus
-
         return ensure_builtin_corpus()
     directory = Path(path)
     if not directory.is_dir():

@@ -26,6 +26,7 @@ from distlm.data.dictionary import (
     UNK_SYMBOL,
     Dictionary,
 )
+from distlm.choices import TASKS
 from distlm.errors import UsageError
 
 NUM_BYTES = 256
@@ -96,8 +97,6 @@ def write_hf_tokenizer(dictionary: Dictionary, out_dir: str | os.PathLike, task:
     Special tokens typed in the text are encoded as bytes, as distlm does
     (``split_special_tokens``).
     """
-    from distlm.data.lm_dataset import TASKS
-
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
     ByteTokenizer(dictionary)  # checks that every byte has a symbol

@@ -24,9 +24,8 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
+from distlm.choices import TASKS
 from distlm.errors import UsageError
-
-TASKS = ("masked_lm", "causal_lm")
 
 REQUIRED_MEMBERS = ("task", "init_weights", "max_positions", "padding_idx")
 

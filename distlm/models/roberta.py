@@ -206,12 +206,20 @@ class RobertaMaskedLM(nn.Module):
         positions are a learned table), unlike Llama's rotary tables."""
 
     def forward(
-        self, input_ids: torch.Tensor, masked_tokens: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        masked_tokens: torch.Tensor | None = None,
+        masked_positions: torch.Tensor | None = None,
+        has_padding: bool | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, T, V]``, or ``[n_masked, V]`` at the ``masked_tokens`` positions only.
+        """Logits ``[B, T, V]``, or ``[n_masked, V]`` at the masked positions only.
 
         Restricting the LM head to masked positions (about 15% of tokens) saves most
-        of the ``B*T*V`` logits memory, as fairseq does.
+        of the ``B*T*V`` logits memory, as fairseq does. ``masked_tokens`` is fairseq's
+        boolean ``[B, T]`` mask; ``masked_positions`` the same positions as flat indices
+        into ``B*T`` (row-major), which needs no device synchronisation to select.
+        ``has_padding``: whether ``input_ids`` holds padding, when the caller knows (None:
+        find out, which waits for the device).
         """
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_positions:
@@ -227,13 +235,15 @@ class RobertaMaskedLM(nn.Module):
         # Packed samples usually have no padding; skipping the mask then lets SDPA use
         # its fused kernels (a mask rules out flash attention on GPU).
         attn_mask = None
-        if padding_mask.any():
+        if has_padding if has_padding is not None else padding_mask.any():
             x = x * (~padding_mask).unsqueeze(-1).type_as(x)
             # SDPA's boolean mask means "may attend"; broadcast over heads and queries.
             attn_mask = (~padding_mask)[:, None, None, :]
         for layer in self.layers:
             x = layer(x, attn_mask)
 
-        if masked_tokens is not None:
+        if masked_positions is not None:
+            x = x.flatten(0, 1).index_select(0, masked_positions)
+        elif masked_tokens is not None:
             x = x[masked_tokens]
         return self.lm_head(x, self.embed_tokens.weight)

@@ -1,7 +1,7 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
-The order is: tensor parallel, then activation checkpointing, then FSDP or DDP with its
-communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
+The order is: tensor parallel, then activation checkpointing, then compilation of each
+block, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
 code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
 under tensor parallel) plus a sharded optimizer, which the returned handle builds.
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from distlm.compile import apply_compile
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
@@ -50,6 +51,10 @@ class ParallelOptions:
     node_of_rank: tuple[int, ...] | None = None
     """Hierarchical all-reduce over real nodes: the node each rank runs on."""
     cpu_offload: bool = False
+    compile_backend: str | None = None
+    """Compile each block with this torch.compile backend (inductor, neuron, openxla); None: eager."""
+    foreach_clip: bool | None = True
+    """foreach value of gradient clipping: None where the device has no foreach kernels (XLA)."""
 
 
 def parallelize(
@@ -71,6 +76,8 @@ def parallelize(
         model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True)
     if options.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if options.compile_backend is not None:
+        apply_compile(model, options.compile_backend)
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
@@ -109,6 +116,7 @@ def parallelize(
         double_buffer=double_buffer,
         mixed_precision_by_strategy=fsdp and fsdp_dtypes(options.precision)[0] is not None,
         sync_bucket_mb=options.bucket_cap_mb,
+        foreach_clip=options.foreach_clip,
     )
     return model, handle
 

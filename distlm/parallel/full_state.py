@@ -29,7 +29,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     copies: dict[tuple, torch.Tensor] = {}
     result = {}
     for name, tensor in state.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        key = (tensor.device, _storage_key(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
         if key not in copies:
             copies[key] = _own_cpu_copy(tensor, live)
         result[name] = copies[key]
@@ -53,8 +53,14 @@ def consolidated_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in full_state_dict(model, rank0_only=False).items() if name in names}
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage, shared by its views; ``data_ptr`` would do on
+    CPU and CUDA, but XLA storages have no data pointer."""
+    return tensor.untyped_storage()._cdata
+
+
 def _storages(tensors) -> set[int]:
-    return {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors} - {0}
+    return {_storage_key(t.to_local() if isinstance(t, DTensor) else t) for t in tensors}
 
 
 def _own_cpu_copy(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
@@ -64,6 +70,6 @@ def _own_cpu_copy(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
-    if tensor.untyped_storage().data_ptr() in live:
+    if _storage_key(tensor) in live:
         return tensor.to("cpu", copy=True)
     return tensor.cpu()

@@ -53,6 +53,8 @@ class DataParallelHandle:
     mixed_precision_by_strategy: bool = False
     """FSDP's MixedPrecisionPolicy casts parameters itself, so no autocast is layered on top."""
     sync_bucket_mb: float = 25.0
+    foreach_clip: bool | None = True
+    """foreach value of the clipping kernels: None where the device has no foreach kernels (XLA)."""
     _inflight_loss_scale: float = field(default=1.0, init=False)
 
     # ------------------------------------------------------------------ backward
@@ -95,8 +97,8 @@ class DataParallelHandle:
             if self.dims.tp_enabled:
                 # Groups gradients by device mesh (embeddings on dp, layers on dp x tp),
                 # which torch's own refuses to mix.
-                return tp_clip_grad_norm_(params, max_norm, foreach=True)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+                return tp_clip_grad_norm_(params, max_norm, foreach=self.foreach_clip)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.foreach_clip)
 
     def mixed_placements(self):
         """Tensor parallel without a data-parallel wrapper leaves parameters outside the plan

@@ -16,6 +16,20 @@ from distlm.mesh import ParallelDims
 from distlm.parallel.names import parameter_names
 
 
+def check_replicas(model: nn.Module, ctx, update: int) -> None:
+    """RuntimeError on every rank if any copy of any parameter differs (collective over the world).
+
+    A drift is seen only inside the group holding it; every rank must stop together, or
+    the others would wait for it in the next collective until the timeout. ``ctx`` is
+    the run's ``distlm.distributed.DistContext``.
+    """
+    drift = first_replica_drift(model, ctx.dims, ctx.device.type)
+    if ctx.all_ranks_agree(drift is not None) and drift is None:
+        drift = "parameters differ between replicas on other ranks (their errors name them)"
+    if drift is not None:
+        raise RuntimeError(f"--check-replicas: after update {update}, {drift}")
+
+
 @torch.no_grad()
 def first_replica_drift(model: nn.Module, dims: ParallelDims, device_type: str) -> str | None:
     """Which parameter differs between which ranks of this rank's groups; None if all agree

@@ -297,8 +297,13 @@ def _redistribute_like(mesh: DeviceMesh, placements: tuple, grad: torch.Tensor) 
 
 
 def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
-    """Right-pad ``input_ids`` (and ``masked_tokens``) to a multiple of the tp degree, and
-    cut per-position logits back, so sequence shards are always even."""
+    """Right-pad ``input_ids`` (and the masked positions) to a multiple of the tp degree, and
+    cut per-position logits back, so sequence shards are always even.
+
+    The model's masked-LM arguments are passed by keyword (``masked_tokens``: a boolean
+    mask; ``masked_positions``: flat indices, renumbered for the longer rows), and
+    ``has_padding`` becomes true when padding was added.
+    """
     pad = model.padding_idx
     lengths: list[int] = []
 
@@ -309,25 +314,24 @@ def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
         lengths.append(length if extra else -1)
         if not extra:
             return None
-        input_ids = nn.functional.pad(input_ids, (0, extra), value=pad)
-        masked = kwargs.get("masked_tokens", args[1] if len(args) > 1 else None)
-        if masked is not None:
-            masked = nn.functional.pad(masked, (0, extra), value=False)
+        kwargs = dict(kwargs)
+        padded = nn.functional.pad(input_ids, (0, extra), value=pad)
         if args:
-            args = (input_ids, *args[1:])
+            args = (padded, *args[1:])
         else:
-            kwargs = {**kwargs, "input_ids": input_ids}
-        if masked is not None:
-            if len(args) > 1:
-                args = (args[0], masked, *args[2:])
-            else:
-                kwargs = {**kwargs, "masked_tokens": masked}
+            kwargs["input_ids"] = padded
+        if kwargs.get("masked_tokens") is not None:
+            kwargs["masked_tokens"] = nn.functional.pad(kwargs["masked_tokens"], (0, extra), value=False)
+        if kwargs.get("masked_positions") is not None:
+            positions = kwargs["masked_positions"]
+            kwargs["masked_positions"] = positions // length * (length + extra) + positions % length
+        if "has_padding" in kwargs:
+            kwargs["has_padding"] = True
         return args, kwargs
 
     def cut_outputs(module, args, kwargs, output):
         length = lengths.pop()
-        masked = kwargs.get("masked_tokens", args[1] if len(args) > 1 else None)
-        if length < 0 or masked is not None:
+        if length < 0 or kwargs.get("masked_tokens") is not None or kwargs.get("masked_positions") is not None:
             return None  # masked-token logits are [n_masked, V]: padding added no rows
         return output[:, :length]
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
 
@@ -73,8 +74,6 @@ def default_vocab_size(arch: str) -> int:
     configured = arch_config(arch).vocab_size
     if configured > 0:
         return configured
-    from distlm.data.tokenizer import byte_dictionary
-
     return len(byte_dictionary()) + (1 if arch_task(arch) == "masked_lm" else 0)
 
 

@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from distlm.choices import COMM_HOOKS, STRATEGIES
 from distlm.errors import UsageError
 from distlm.plan.flops import (
     DTYPES,
@@ -47,8 +48,6 @@ from distlm.plan.flops import (
 
 GIB = 1024**3
 MIB = 1024**2
-STRATEGIES = ("ddp", "zero1", "fsdp")
-COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 ALLREDUCE_ALGORITHMS = ("ring", "tree", "auto")
 # torch DDP puts the first gradients of backward in a small bucket of its own
 # (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES), so communication starts early.

@@ -1,0 +1,92 @@
+"""``--compile``: each transformer block compiled on its own, as torchtitan does.
+
+All blocks of a model share one graph (same code, same shapes), so the compiler runs
+once per distinct graph, not once per layer, and the result composes with what is
+applied around the blocks: tensor parallel inside them, activation checkpointing
+around them, FSDP and DDP outside. ``Module.compile`` compiles in place, so parameter
+names, checkpoints and exports stay those of the single-device model.
+
+``--compile-cache DIR`` points the compiler's artefact cache at a directory that other
+nodes and the next run share; the first update reports how long compiling took and
+how many graphs came from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+from torch import nn
+from torch._dynamo.utils import counters
+
+from distlm.errors import UsageError
+from distlm.models.contract import model_blocks
+
+logger = logging.getLogger("distlm")
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """Compile every block of ``model`` in place with ``backend`` (inductor, neuron, openxla)."""
+    blocks = model_blocks(model)
+    if blocks is None:
+        raise UsageError(
+            f"--compile compiles each of the model's blocks, and {type(model).__name__} declares no blocks "
+            "(an nn.ModuleList); drop --compile or declare them"
+        )
+    for block in blocks:
+        block.compile(backend=backend)
+    logger.info("compiling %d blocks with the %s backend (one graph shared by all)", len(blocks), backend)
+
+
+def use_compile_cache(directory: str, variables: Mapping[str, str]) -> None:
+    """Point the compiler caches at ``directory`` through the backend's ``variables``
+    (variable -> sub-directory), leaving any the user has set."""
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--compile-cache {directory} cannot be created ({err.strerror or err})") from None
+    for variable, sub in variables.items():
+        os.environ.setdefault(variable, str(root / sub))
+
+
+class CompileReport:
+    """Times the first update (where compiling happens) and counts graphs compiled and cached."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.before = dict(counters["inductor"])
+
+    def log(self) -> str:
+        seconds = time.perf_counter() - self.started
+        now = counters["inductor"]
+        hits = now.get("fxgraph_cache_hit", 0) - self.before.get("fxgraph_cache_hit", 0)
+        misses = now.get("fxgraph_cache_miss", 0) - self.before.get("fxgraph_cache_miss", 0)
+        line = (f"first update with compilation took {seconds:.1f} s: {misses} graphs compiled, "
+                f"{hits} taken from the compile cache")
+        logger.info(line)
+        return line
+
+
+def compiled_graph_counts() -> dict[str, int]:
+    """Inductor's graph-cache hits and misses in this process so far."""
+    now = counters["inductor"]
+    return {"hits": now.get("fxgraph_cache_hit", 0), "misses": now.get("fxgraph_cache_miss", 0)}
+
+
+
+def precompile(trainer) -> str:
+    """Run every graph a run needs once, so the compile cache holds them all: the training
+    update (double buffering's first update is another), and one validation batch. The
+    trainer's state changes but is never saved. Returns the log line."""
+    report = CompileReport()
+    batches = trainer.update_batches()
+    for _ in range(2 if trainer.config.distributed.double_buffering else 1):
+        with trainer.ctx.naming_failed_collectives(trainer.progress.num_updates + 1):
+            trainer.train_step(next(batches))
+    if trainer.validator.enabled:
+        trainer.validator.validate(trainer.model, max_batches=1)
+    return report.log()

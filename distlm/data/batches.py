@@ -1,0 +1,63 @@
+"""Each update's micro-batches for this rank, prepared on the host (optionally by worker processes)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import torch
+
+from distlm.data.masking import IGNORE_INDEX
+from distlm.data.sampler import GlobalBatchSampler
+from distlm.errors import UsageError
+
+
+class UpdateBatches(torch.utils.data.Dataset):
+    """Item k: the micro-batches of the k-th update from ``start`` consumed samples on,
+    with their token counts as host numbers, read here before any device sees them."""
+
+    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int):
+        self.data, self.sampler, self.start, self.pad = data, sampler, start, pad
+
+    def __getitem__(self, k: int) -> list[dict[str, Any]]:
+        position = self.start + k * self.sampler.global_batch_size
+        return [with_host_facts(self.data.collate(pairs), self.pad)
+                for pairs in self.sampler.local_micro_batches(position)]
+
+
+def with_host_facts(batch: dict[str, Any], pad: int) -> dict[str, Any]:
+    """``batch`` plus what the host knows about it before any device sees it: token counts,
+    whether it holds padding, and the flat positions of its targets. Read here, they cost
+    the device no synchronisation later."""
+    batch = dict(batch)
+    targets = batch["targets"]
+    batch["target_count"] = int(batch["ntokens"]) if "ntokens" in batch else int((targets != IGNORE_INDEX).sum())
+    batch["input_count"] = int((batch["input_ids"] != pad).sum())
+    batch["has_padding"] = batch["input_count"] < batch["input_ids"].numel()
+    batch["masked_positions"] = torch.nonzero(targets.flatten() != IGNORE_INDEX).squeeze(1)
+    return batch
+
+
+def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int,
+                   num_workers: int) -> Iterator[list[dict[str, Any]]]:
+    """The micro-batches of every coming update, by ``num_workers`` processes (0: this one)."""
+    dataset = UpdateBatches(data, sampler, start, pad)
+    if num_workers == 0:
+        return map(dataset.__getitem__, itertools.count())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers)
+    return iter(loader)
+
+
+def check_global_batch(sampler: GlobalBatchSampler, num_samples: int, batch_size: int, update_freq: int) -> None:
+    if sampler.global_batch_size > num_samples:
+        raise UsageError(
+            f"the global batch (--batch-size {batch_size} x --update-freq {update_freq} "
+            f"x {sampler.dp_size} replicas = {sampler.global_batch_size}) exceeds the {num_samples} "
+            "training samples; lower --batch-size or --update-freq, or use fewer ranks"
+        )
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device`` (asynchronous copies), its host facts as they are."""
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items() if key != "ntokens"}

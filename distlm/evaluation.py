@@ -1,0 +1,157 @@
+"""Validation: the loss over whole validation splits, the best value, and early stopping.
+
+Every data-parallel rank evaluates its share of each split (``--valid-subset``) with
+dropout off and no gradients; the summed loss and the target-token count are added
+across ranks before dividing, so the result is the loss over the whole split, exactly
+what one process computes, not an average of per-rank averages. Masked-LM masks of a
+validation split are fixed, so two runs, and two epochs of one run, compare.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distlm.checkpoint import TrainProgress
+from distlm.config import TrainConfig
+from distlm.data import load_lm_data
+from distlm.data.batches import to_device, with_host_facts
+from distlm.data.masking import IGNORE_INDEX
+from distlm.distributed import DistContext
+from distlm.metrics import LN2, perplexity
+
+logger = logging.getLogger("distlm")
+
+
+@dataclass
+class ValidationResult:
+    subset: str
+    loss: float
+    """Cross-entropy in base 2 over every target token of the subset."""
+    target_tokens: int
+
+    @property
+    def ppl(self) -> float:
+        return perplexity(self.loss)
+
+
+def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] | None) -> dict[str, Any]:
+    """Each split of ``--valid-subset`` (none with ``--disable-validation``), with fixed masks."""
+    settings = config.data
+    if settings.disable_validation:
+        return {}
+    return {
+        name: load_lm_data(
+            settings.data, split=name, task=task, tokens_per_sample=settings.tokens_per_sample,
+            sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
+            symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
+        )
+        for name in (part.strip() for part in settings.valid_subset.split(",")) if name
+    }
+
+
+class Validator:
+    """Runs validation when it is due and keeps the best value and the patience count.
+
+    ``subsets`` maps a split name to its data (``load_validation_subsets``); empty: no
+    validation. The callables are the trainer's own: the loss, tensor parallel's loss
+    context, the plain value of a (DTensor) loss, and forward's mixed precision.
+    """
+
+    def __init__(self, config: TrainConfig, ctx: DistContext, subsets: dict[str, Any],
+                 compute_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor], loss_context: Callable,
+                 local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable):
+        self.config, self.ctx, self.subsets = config, ctx, subsets
+        self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
+            compute_loss, loss_context, local_loss, autocast)
+        self.enabled = bool(subsets)
+        self.batch_size = config.data.batch_size_valid or config.data.batch_size
+        self.metric = config.checkpoint.best_checkpoint_metric
+        self.maximize = config.checkpoint.maximize_best_checkpoint_metric
+        if self.enabled and ctx.is_main:
+            logger.info("validation: %s", ", ".join(f"{name} ({len(data)} samples)" for name, data in subsets.items()))
+
+    def due(self, num_updates: int, end_of_epoch: int | None, done: bool) -> bool:
+        """fairseq's rule: at the end of every --validate-interval epochs, every
+        --validate-interval-updates updates, and when training stops."""
+        if not self.enabled:
+            return False
+        settings = self.config.data
+        every_updates = settings.validate_interval_updates
+        return (
+            done
+            or (end_of_epoch is not None and end_of_epoch % settings.validate_interval == 0)
+            or (every_updates > 0 and num_updates % every_updates == 0)
+        )
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module, max_batches: int | None = None) -> list[ValidationResult]:
+        """The loss over each subset (collective over every rank); ``max_batches`` cuts each short."""
+        was_training = model.training
+        model.eval()
+        try:
+            return [self._subset(name, data, model, max_batches) for name, data in self.subsets.items()]
+        finally:
+            model.train(was_training)
+
+    def _subset(self, name: str, data: Any, model: torch.nn.Module, max_batches: int | None) -> ValidationResult:
+        dims = self.ctx.dims
+        # Rank r of the data-parallel group takes every dp-th sample; every rank runs the
+        # same number of batches (sharded forward passes are collectives), the ranks that
+        # run out evaluate a batch whose targets are all ignored.
+        mine = np.arange(self.ctx.dp_rank, len(data), dims.dp)
+        batches = math.ceil(len(data) / (dims.dp * self.batch_size))
+        for limit in (self.config.data.max_valid_steps, max_batches):
+            if limit:
+                batches = min(batches, limit)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for step in range(batches):
+            indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
+            batch = dict(data.collate([(0, int(i)) for i in (indices if len(indices) else [0])]))
+            if not len(indices):
+                batch["targets"] = torch.full_like(batch["targets"], IGNORE_INDEX)
+            batch = to_device(with_host_facts(batch, data.dictionary.pad()), self.ctx.device)
+            with self.loss_context(), self.autocast():
+                loss = self.compute_loss(batch)
+            sums[0] += self.local_loss(loss.detach()).double()
+            sums[1] += batch["target_count"]
+        if self.ctx.dp_group is not None:
+            dist.all_reduce(sums, group=self.ctx.dp_group)
+        loss_sum, tokens = sums.tolist()
+        return ValidationResult(name, loss_sum / max(tokens, 1) / LN2, int(tokens))
+
+    def value(self, result: ValidationResult) -> float:
+        return result.ppl if self.metric == "ppl" else result.loss
+
+    def is_better(self, value: float, best: float | None) -> bool:
+        if not math.isfinite(value):
+            return False
+        return best is None or (value > best if self.maximize else value < best)
+
+    def record(self, results: list[ValidationResult], progress: TrainProgress) -> bool:
+        """Update the best value and the patience count from the first subset; True if it improved."""
+        value = self.value(results[0])
+        improved = self.is_better(value, progress.best)
+        if improved:
+            progress.best = value
+            progress.validations_without_improvement = 0
+        else:
+            progress.validations_without_improvement += 1
+        return improved
+
+    def out_of_patience(self, progress: TrainProgress) -> bool:
+        patience = self.config.checkpoint.patience
+        return patience > 0 and progress.validations_without_improvement >= patience
+
+    def log_records(self, results: list[ValidationResult], progress: TrainProgress) -> list[dict[str, Any]]:
+        return [
+            {"subset": r.subset, "update": progress.num_updates, "loss": round(r.loss, 4), "ppl": round(r.ppl, 2),
+             f"best_{self.metric}": None if progress.best is None else round(progress.best, 4)}
+            for r in results
+        ]

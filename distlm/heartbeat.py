@@ -1,0 +1,101 @@
+"""A side channel that names the ranks a hung collective is waiting for.
+
+Every rank publishes, from a daemon thread, a beat counter and how far it got (the
+update it entered and the last it completed) into the rendezvous store, under a prefix
+of its own. A thread keeps beating while the main thread waits in a collective (which
+releases the GIL), so when a collective times out the ranks that are still alive say
+where they are. A rank that was stopped (SIGSTOP), died, or hangs with the GIL held
+stops beating. Counters rather than clock times, so hosts need no common clock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+_PREFIX = "distlm/heartbeat"
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    entered: int
+    """The update this rank started last (0: none)."""
+    completed: int
+    """The update this rank finished last."""
+    beating: bool
+    """Its beat counter moved while we watched: the process runs."""
+
+
+class Heartbeat:
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, interval: float,
+                 restart: str = "0"):
+        self.rank, self.world_size, self.interval = rank, world_size, interval
+        store = dist.TCPStore(master_addr, master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=max(10.0, 4 * interval)))
+        self.store = dist.PrefixStore(f"{_PREFIX}/restart{restart}", store)
+        self.entered = 0
+        self.completed = 0
+        self._beats = 0
+        self._stopped = threading.Event()
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="distlm-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _publish(self) -> None:
+        self._beats += 1
+        self.store.set(str(self.rank), f"{self._beats} {self.entered} {self.completed}")
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval):
+            try:
+                self._publish()
+            except (RuntimeError, dist.DistStoreError):  # the store's host is gone: nothing to tell
+                return
+
+    def _read(self) -> dict[int, tuple[int, int, int]]:
+        keys = [str(rank) for rank in range(self.world_size)]
+        present = [key for key in keys if self.store.check([key])]
+        values = self.store.multi_get(present) if present else []
+        return {int(key): tuple(int(x) for x in value.decode().split()) for key, value in zip(present, values)}
+
+    def ranks(self) -> list[RankState] | None:
+        """Every rank's state, watched for a few beats; None if the store does not answer
+        (its host, rank 0 or the launcher's agent, stopped or died)."""
+        try:
+            first = self._read()
+            time.sleep(3 * self.interval)
+            second = self._read()
+        except (RuntimeError, dist.DistStoreError):
+            return None
+        states = []
+        for rank in range(self.world_size):
+            beats, entered, completed = second.get(rank, (0, 0, 0))
+            states.append(RankState(rank, entered, completed, beating=beats != first.get(rank, (0,))[0]))
+        return states
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2 * self.interval + 1)
+
+
+def describe_missing(states: list[RankState] | None, update: int, me: int) -> str:
+    """Which ranks update ``update``'s collective waits for, in words."""
+    if states is None:
+        return "the rendezvous store does not answer, so its host (rank 0 or the launcher) stopped or died"
+    silent = [s for s in states if not s.beating and s.rank != me]
+    behind = [s for s in states if s.beating and s.entered < update and s.rank != me]
+    parts = []
+    if silent:
+        parts.append(f"ranks {[s.rank for s in silent]} stopped responding ("
+                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in silent) + ")")
+    if behind:
+        parts.append(f"ranks {[s.rank for s in behind]} have not started update {update} ("
+                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in behind) + ")")
+    if not parts:
+        return f"every rank is alive and in update {update}; a link between them failed"
+    return "; ".join(parts)

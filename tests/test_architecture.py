@@ -1,0 +1,131 @@
+"""The shape of the code: one home per set of choices, no cycle-hiding imports, the model
+contract checked in one line, and one host synchronisation per update."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import distlm
+from distlm import choices
+from distlm.config import build_parser, parse_args
+from distlm.errors import UsageError
+from distlm.trainer import Trainer
+from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+
+PACKAGE = Path(distlm.__file__).parent
+
+
+def _modules() -> list[tuple[Path, ast.Module]]:
+    return [(path, ast.parse(path.read_text())) for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_every_set_of_choices_is_declared_once_and_used_by_the_command_line():
+    registry = {name: set(values) for name, values in choices.CHOICES.items()}
+    # The command line offers exactly the registry's values, and refuses anything else by name.
+    actions = {action.dest.rpartition(".")[2]: action for action in build_parser()._actions}
+    for name, allowed in choices.CHOICES.items():
+        assert name in actions, name
+        assert f"Choices: {', '.join(allowed)}." in actions[name].help, name
+        with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} nonsense is not one of"):
+            parse_args([f"--{name.replace('_', '-')}", "nonsense"])
+    # No module but choices.py spells out one of these sets again.
+    for path, tree in _modules():
+        if path.name == "choices.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Tuple) and node.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+            ):
+                values = {e.value for e in node.elts}
+                for name, allowed in registry.items():
+                    assert values != allowed, f"{path.relative_to(PACKAGE.parent)}:{node.lineno} repeats {name}"
+
+
+# Imports of optional packages belong inside the function that needs them; what may never
+# hide inside a function is an import of distlm itself (a cycle, or a layering problem).
+# The package's lazy attributes are the one exception: `import distlm.data` in a data
+# worker must not load the trainer.
+_LAZY_BY_DESIGN = {("__init__.py", "__getattr__")}
+
+
+def test_no_module_of_distlm_imports_distlm_inside_a_function():
+    found = []
+    for path, tree in _modules():
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            if (path.relative_to(PACKAGE).as_posix(), function.name) in _LAZY_BY_DESIGN:
+                continue
+            for node in ast.walk(function):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                if any(name == "distlm" or name.startswith("distlm.") for name in names):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} in {function.name}()")
+    assert not found, found
+
+
+class NoInitWeights(torch.nn.Module):
+    task = "causal_lm"
+    max_positions = 64
+    padding_idx = 1
+
+    def forward(self, input_ids):
+        return input_ids
+
+
+def test_a_model_missing_part_of_the_contract_is_one_line_naming_it():
+    with pytest.raises(UsageError) as caught:
+        Trainer(parse_args(["--no-save"]), model=NoInitWeights())
+    message = str(caught.value)
+    assert "init_weights" in message and "\n" not in message
+    assert "task" not in message.split("lacks ")[1].split(" of ")[0]  # only what is missing is named
+
+
+_SYNCING = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def counting_host_syncs(counter: list[str], host_resident: set[int]):
+    """Count every Tensor method that brings a value to the host (on CPU they do not block,
+    on an accelerator each waits for the device), except on ``host_resident`` tensors
+    (ids), which live on the host whatever the device."""
+    originals = {name: getattr(torch.Tensor, name) for name in _SYNCING}
+
+    def counted(name):
+        original = originals[name]
+
+        def wrapper(self, *args, **kwargs):
+            if id(self) not in host_resident:
+                counter.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in _SYNCING:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.mark.parametrize("extra", [[], ["--update-freq", "3"], ["--strategy", "fsdp"]], ids=["plain", "accumulating", "fsdp"])
+def test_one_host_synchronisation_per_update(data_dir, tmp_path, extra):
+    """The gradient norm's finite check is the one; the token count stays on the device
+    and statistics wait for the log line."""
+    trainer = Trainer(parse_args(common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", *extra]))
+    batches = trainer.update_batches()
+    trainer.train_step(next(batches))  # the first update allocates the optimizer's state
+    # torch's AdamW keeps its step counters on the host (unless capturable), so reading
+    # them never waits for a device.
+    steps = {id(state["step"]) for state in trainer.optimizer.state.values()}
+    for _ in range(2):
+        micro_batches = next(batches)  # prepared on the host before the update starts
+        syncs: list[str] = []
+        with counting_host_syncs(syncs, steps):
+            trainer.train_step(micro_batches)
+        assert len(syncs) <= 1, syncs

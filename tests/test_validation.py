@@ -1,0 +1,111 @@
+"""Validation, checkpoint_best, early stopping, and fairseq's everyday command line."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from distlm.checkpoint import CheckpointReader
+from distlm.config import parse_args
+from distlm.train import main
+from distlm.trainer import Trainer
+from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+
+
+def validation_losses(runs: list[list[str]]) -> list[float]:
+    """The first subset's validation loss of each run's initial model (every layout starts
+    from the same weights, so the same parameters are evaluated)."""
+    losses = []
+    for args in runs:
+        trainer = Trainer(parse_args(args))
+        losses.append(trainer.validator.validate(trainer.model)[0].loss)
+    return losses
+
+
+@pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
+def test_validation_loss_is_the_whole_split_under_every_layout(data_dir, tmp_path, arch):
+    """ddp, fsdp and ddp x tp2 on 2 ranks against one process: the summed loss over every
+    target token of the split, so equal up to fp32 reassociation of the sums (the split's
+    20 samples fall 10 / 10 on two ranks, or are padded out with an ignored batch)."""
+    args = common_args(data_dir, str(tmp_path), arch) + ["--batch-size", "3"]
+    single = validation_losses([args])[0]
+    layouts = [args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"]]
+    ranks = run_distributed(validation_losses, 2, layouts)
+    for rank in ranks:
+        for loss in rank:
+            assert loss == pytest.approx(single, rel=1e-5)
+    assert ranks[0] == ranks[1]  # every rank reports the same reduced value
+    assert 3 < single < 8  # a real loss of an untrained model (log2 of ~45 symbols is 5.5)
+
+
+def log_lines(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_best_checkpoint_and_patience(data_dir, tmp_path, capsys):
+    """Validation every 2 updates with a learning rate far too high for Adam: validation
+    gets worse after its first value, so --patience 1 stops at the second validation, and
+    checkpoint_best holds the parameters of the first (those of checkpoint_2)."""
+    args = [a for a in common_args(data_dir, str(tmp_path), "roberta_tiny") if a != "--no-save"]
+    args += ["--batch-size", "4", "--lr", "0.2", "--warmup-updates", "0", "--clip-norm", "0",
+             "--validate-interval-updates", "2", "--save-interval-updates", "2", "--patience", "1",
+             "--max-update", "20", "--log-format", "json"]
+    assert main(args) == 0
+    lines = log_lines(capsys)
+    valid = [line for line in lines if line["kind"] == "valid"]
+    assert [line["update"] for line in valid] == [2, 4]
+    assert valid[1]["loss"] > valid[0]["loss"] and valid[1]["best_loss"] == valid[0]["loss"]
+    assert lines[-1]["kind"] == "summary" and lines[-1]["update"] == 4
+    best, at_2 = CheckpointReader(tmp_path / "checkpoint_best"), CheckpointReader(tmp_path / "checkpoint_2")
+    assert best.meta["progress"]["num_updates"] == 2 and best.meta["progress"]["best"] == pytest.approx(
+        valid[0]["loss"], abs=1e-4)
+    for name, value in at_2.model_tensors():
+        assert torch.equal(best.tensor(f"model.{name}"), value), name
+    # The best value is in checkpoint_last too, so a resumed run keeps comparing against it.
+    assert CheckpointReader(tmp_path / "checkpoint_last").meta["progress"]["best"] == best.meta["progress"]["best"]
+
+
+FAIRSEQ_COMMAND = (
+    "DATA --task masked_lm --criterion masked_lm --arch roberta_base "
+    "--encoder-layers 2 --encoder-embed-dim 128 --encoder-ffn-embed-dim 512 --encoder-attention-heads 2 "
+    "--cpu --tokens-per-sample 128 --sample-break-mode none --batch-size 8 --optimizer adam "
+    "--adam-betas (0.9,0.98) --lr 5e-4 --lr-scheduler polynomial_decay --warmup-updates 10 "
+    "--total-num-update 50 --max-update 50 --dropout 0.1 --attention-dropout 0.1 --weight-decay 0.01 "
+    "--clip-norm 0.0 --seed 1 --num-workers 0 --no-save --disable-validation --log-format json --log-interval 10"
+)
+
+
+def test_fairseq_command_line_runs_unchanged_and_builds_fairseqs_model(data_dir, capsys):
+    argv = [data_dir if word == "DATA" else word for word in FAIRSEQ_COMMAND.split()]
+    trainer = Trainer(parse_args(argv))
+    # What fairseq builds from these flags: roberta_base's vocabulary (50265, GPT-2 BPE)
+    # and 512 positions (+ fairseq's padding offset of 2 rows), 2 layers of width 128:
+    #   embeddings   50265*128 + 514*128 + LayerNorm 2*128         = 6,499,968
+    #   per layer    4*(128*128+128) attention + 2*128 LayerNorm
+    #                + 128*512+512 + 512*128+128 + 2*128 LayerNorm = 198,272; two: 396,544
+    #   LM head      128*128+128 dense + 2*128 LayerNorm + 50265 bias = 67,033 (output tied to the embedding)
+    #   total 6,963,545
+    assert sum(p.numel() for p in trainer.model.parameters()) == 6_963_545
+    config = trainer.model.config
+    assert (config.n_layers, config.dim, config.ffn_dim, config.n_heads) == (2, 128, 512, 2)
+    assert main(argv) == 0
+    lines = log_lines(capsys)
+    assert [line["update"] for line in lines if line["kind"] == "train"] == [10, 20, 30, 40, 50]
+    assert not any(line["kind"] == "valid" for line in lines)  # --disable-validation
+
+
+def test_architecture_flags_are_checked_against_the_arch(capsys):
+    with pytest.raises(Exception, match="--decoder-layers sizes a llama model, but --arch roberta_tiny"):
+        Trainer(parse_args(["--arch", "roberta_tiny", "--decoder-layers", "2", "--no-save"]))
+
+
+def test_fp16_on_a_cpu_is_refused_within_seconds_naming_bf16(capsys):
+    started = time.monotonic()
+    assert main(["--fp16", "--device", "cpu", "--no-save"]) == 2
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "--bf16" in message[0] and "slower than fp32" in message[0], message
+    assert time.monotonic() - started < 10
