@@ -21,7 +21,7 @@ import torch.distributed as dist
 from distlm.checkpoint import TrainProgress
 from distlm.config import TrainConfig
 from distlm.data import load_lm_data
-from distlm.data.batches import to_device, with_host_facts
+from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
 from distlm.metrics import LN2, perplexity
@@ -66,8 +66,8 @@ class Validator:
 
     def __init__(self, config: TrainConfig, ctx: DistContext, subsets: dict[str, Any],
                  compute_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor], loss_context: Callable,
-                 local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable):
-        self.config, self.ctx, self.subsets = config, ctx, subsets
+                 local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable, pad_to: int | None = None):
+        self.config, self.ctx, self.subsets, self.pad_to = config, ctx, subsets, pad_to
         self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
             compute_loss, loss_context, local_loss, autocast)
         self.enabled = bool(subsets)
@@ -116,7 +116,8 @@ class Validator:
             batch = dict(data.collate([(0, int(i)) for i in (indices if len(indices) else [0])]))
             if not len(indices):
                 batch["targets"] = torch.full_like(batch["targets"], IGNORE_INDEX)
-            batch = to_device(with_host_facts(batch, data.dictionary.pad()), self.ctx.device)
+            pad = data.dictionary.pad()
+            batch = to_device(with_host_facts(padded_to(batch, self.pad_to, pad), pad), self.ctx.device)
             with self.loss_context(), self.autocast():
                 loss = self.compute_loss(batch)
             sums[0] += self.local_loss(loss.detach()).double()

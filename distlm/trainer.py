@@ -72,6 +72,9 @@ class Trainer:
             load_hf_weights=resume is None or resume.weights_only,
         )
         self.model_inputs = ModelInputs.of(build.model, self.task)
+        self.fixed_length = config.data.tokens_per_sample if (
+            config.compile.compile or self.ctx.backend.static_shapes) else None
+        """Batches padded to this length, so compiled or traced graphs see one shape."""
         if config.compile.compile_cache:
             use_compile_cache(config.compile.compile_cache, self.ctx.backend.compile_cache_variables)
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
@@ -86,7 +89,7 @@ class Trainer:
         subsets = {} if train_data is not None else load_validation_subsets(
             config, self.task, list(self.data.dictionary.symbols))
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
-                                   self.handle.local_loss, self._autocast)
+                                   self.handle.local_loss, self._autocast, self.fixed_length)
         epoch_updates = math.ceil(config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size)
         self.schedule = LRSchedule(config.optim, updates_in_run=epoch_updates)
         self.progress = TrainProgress()
@@ -107,7 +110,8 @@ class Trainer:
         """This rank's micro-batches for each coming update, prepared by --num-workers processes."""
         dictionary = getattr(self.data, "dictionary", None)
         return update_batches(self.data, self.sampler, self.progress.consumed_samples,
-                              dictionary.pad() if dictionary is not None else -1, self.config.data.num_workers)
+                              dictionary.pad() if dictionary is not None else -1, self.config.data.num_workers,
+                              self.fixed_length)
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config

@@ -120,6 +120,11 @@ class Backend:
     dist_backend: str = ""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend that compiles for this hardware."""
+    static_shapes: bool = False
+    """Graphs are traced per input shape (XLA): batches are padded to one length."""
+    compile_cache_variables: dict[str, str] = {"TORCHINDUCTOR_CACHE_DIR": "inductor"}
+    """Environment variables that place the compiler's caches, each under a sub-directory
+    of ``--compile-cache``."""
     foreach_clip: bool | None = True
     """``foreach`` for ``torch.nn.utils.clip_grad_norm_``: torch's multi-tensor kernels,
     unless the device refuses them (None lets torch choose)."""

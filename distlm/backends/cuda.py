@@ -41,6 +41,7 @@ class CudaBackend(AcceleratorBackend):
     dist_backend = "nccl"
     device_type = "cuda"
     visible_devices_variable = "CUDA_VISIBLE_DEVICES"
+    compile_cache_variables = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
     def require_runtime(self) -> None:
         if not torch.cuda.is_available():

@@ -42,6 +42,8 @@ class NeuronBackend(AcceleratorBackend):
     device_type = "neuron"
     visible_devices_variable = "NEURON_RT_VISIBLE_CORES"
     compile_backend = "neuron"
+    # The Neuron compiler's artefacts (NEFFs), as neuron_parallel_compile fills them.
+    compile_cache_variables = {"NEURON_COMPILE_CACHE_URL": "neuron"}
 
     def require_runtime(self) -> None:
         try:

@@ -51,6 +51,8 @@ class XlaBackend(Backend):
     name = "xla"
     dist_backend = "xla"
     compile_backend = "openxla"
+    static_shapes = True
+    compile_cache_variables = {"NEURON_COMPILE_CACHE_URL": "neuron", "XLA_PERSISTENT_CACHE_PATH": "xla"}
     # torch_xla replaces torch.nn.utils.clip_grad_norm_ on import with a version that
     # raises for foreach=True; None takes its XLA implementation.
     foreach_clip = None

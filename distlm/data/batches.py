@@ -16,13 +16,28 @@ class UpdateBatches(torch.utils.data.Dataset):
     """Item k: the micro-batches of the k-th update from ``start`` consumed samples on,
     with their token counts as host numbers, read here before any device sees them."""
 
-    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int):
-        self.data, self.sampler, self.start, self.pad = data, sampler, start, pad
+    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int, pad_to: int | None = None):
+        self.data, self.sampler, self.start, self.pad, self.pad_to = data, sampler, start, pad, pad_to
 
     def __getitem__(self, k: int) -> list[dict[str, Any]]:
         position = self.start + k * self.sampler.global_batch_size
-        return [with_host_facts(self.data.collate(pairs), self.pad)
+        return [with_host_facts(padded_to(self.data.collate(pairs), self.pad_to, self.pad), self.pad)
                 for pairs in self.sampler.local_micro_batches(position)]
+
+
+def padded_to(batch: dict[str, Any], length: int | None, pad: int) -> dict[str, Any]:
+    """``batch`` right-padded to ``length`` tokens (None: as collated, the longest sample).
+
+    Compiled graphs and XLA's traced ones are specialised to their shapes: batches of one
+    fixed length run one graph instead of one per length.
+    """
+    width = batch["input_ids"].shape[1]
+    if length is None or width >= length:
+        return batch
+    extra = length - width
+    return {**batch,
+            "input_ids": torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
+            "targets": torch.nn.functional.pad(batch["targets"], (0, extra), value=IGNORE_INDEX)}
 
 
 def with_host_facts(batch: dict[str, Any], pad: int) -> dict[str, Any]:
@@ -39,9 +54,9 @@ def with_host_facts(batch: dict[str, Any], pad: int) -> dict[str, Any]:
 
 
 def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int,
-                   num_workers: int) -> Iterator[list[dict[str, Any]]]:
+                   num_workers: int, pad_to: int | None = None) -> Iterator[list[dict[str, Any]]]:
     """The micro-batches of every coming update, by ``num_workers`` processes (0: this one)."""
-    dataset = UpdateBatches(data, sampler, start, pad)
+    dataset = UpdateBatches(data, sampler, start, pad, pad_to)
     if num_workers == 0:
         return map(dataset.__getitem__, itertools.count())
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers)

@@ -257,6 +257,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     parallelize_module(model, tp_mesh, styles)
     for name, style in later:
         parallelize_module(model.get_submodule(name), tp_mesh, style)
+    for name, style in resolved.items():
+        if style == "vocab_embedding":
+            model.get_submodule(name).register_forward_hook(_own_storage)
     if sequence_parallel:
         _pad_sequence_to_multiple(model, degree)
     if not any(param.is_meta for param in model.parameters()):
@@ -273,6 +276,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         ", loss parallel" if loss_parallel else "",
     )
     return model
+
+
+def _own_storage(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a tensor of its own rather than a view of the DTensor's
+    local tensor. A compiled block taking that view as input hands its gradient past the
+    view's DTensor conversion in backward (torch 2.13: "'Tensor' object has no attribute
+    '_local_tensor'"); one copy of [B, T, D] per forward avoids it."""
+    return output.clone()
 
 
 def shard_gradients_like_parameters(model: nn.Module) -> None:

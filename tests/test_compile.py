@@ -1,0 +1,54 @@
+"""--compile: each block compiled with inductor trains the same model as eager, under DDP,
+FSDP and tensor parallel, and a second run takes its graphs from --compile-cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distributed import run_distributed
+from test_ddp import assert_params_close, common_args, data_dir, train  # noqa: F401 - shared fixture
+
+# Inductor fuses each block's elementwise work into C++ loops and may reassociate sums,
+# the same kind of fp32 rounding difference as two ranks against one (test_ddp.py's
+# PARAM_ATOL, measured there at ~2e-7); a missed or doubled update moves parameters by
+# ~lr = 1e-3, so the bound of 5e-6 keeps a wide margin on both sides.
+PARAM_ATOL = 5e-6
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> str:
+    """One cache for the module: DDP and FSDP run the same block graph, so it compiles once."""
+    return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+def eager_and_compiled(layouts: list[list[str]], cache: str) -> list[tuple[dict, dict]]:
+    return [(train(args), train(args + ["--compile", "--compile-cache", cache])) for args in layouts]
+
+
+def test_compiled_blocks_train_like_eager_under_every_layout(data_dir, tmp_path, compile_cache):
+    args = common_args(data_dir, str(tmp_path), "llama_tiny") + ["--batch-size", "4"]
+    layouts = [args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"]]
+    ranks = run_distributed(eager_and_compiled, 2, layouts, compile_cache, timeout=600)
+    for rank in ranks:
+        for (eager, compiled), layout in zip(rank, ["ddp", "fsdp", "ddp x tp2"]):
+            assert compiled["initial"].keys() == eager["initial"].keys(), layout  # names unchanged by compile
+            assert_params_close(compiled["params"], eager["params"], PARAM_ATOL)
+            np.testing.assert_allclose(compiled["gnorms"], eager["gnorms"], rtol=1e-5, err_msg=layout)
+
+
+def test_second_run_takes_its_graphs_from_the_cache(data_dir, tmp_path, compile_cache):
+    command = [sys.executable, "-m", "distlm.train", *common_args(data_dir, str(tmp_path), "llama_tiny"),
+               "--batch-size", "4", "--max-update", "1", "--disable-validation", "--compile",
+               "--compile-cache", compile_cache]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    lines = []
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr
+        lines.append(next(line for line in done.stderr.splitlines() if "first update with compilation" in line))
+    assert "0 graphs compiled" in lines[1] and "0 taken from the compile cache" not in lines[1], lines
