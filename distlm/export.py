@@ -1,26 +1,30 @@
-"""``python -m distlm.export --checkpoint PATH --out FILE.safetensors``: the model's weights in one file.
+"""``python -m distlm.export --checkpoint PATH --out FILE.safetensors | --hf OUT_DIR``: the trained model.
+
+``--out`` writes the weights in one safetensors file under distlm's names; ``--hf``
+writes a Hugging Face model directory (see hf_export.py).
 
 ``PATH`` is a checkpoint directory, a save dir (meaning its ``checkpoint_last``) or a
 checkpoint of the old single-file format. Parameter names are those of the
 single-device model, stable whatever strategy trained it. Tensors are read from the
-shards one at a time and never the optimizer's, so exporting needs about one copy of
-the weights in memory and no process group. Tied weights are stored once; the names
-that alias them are listed in the file's metadata.
+shards one at a time, never the optimizer's, and streamed into the file (its header
+comes from the checkpoint's metadata), so exporting holds about one tensor in memory
+and needs no process group. Tied weights are stored once; the names that alias them
+are listed in the file's metadata.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from safetensors import SafetensorError
-from safetensors.torch import save_file
-
 from distlm.checkpoint import CheckpointReader
 from distlm.config import OneLineErrorParser
 from distlm.errors import UsageError
+from distlm.hf_export import export_hf
+from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 
 
 def export(checkpoint_path: str, out: str) -> Path:
@@ -33,7 +37,11 @@ def export(checkpoint_path: str, out: str) -> Path:
         raise UsageError(f"--checkpoint {err}") from None
     meta = reader.meta
     aliases = meta.get("tied_weights") or {}
-    weights = {name: tensor.contiguous() for name, tensor in reader.model_tensors() if name not in aliases}
+    specs = []
+    for name in reader.model_names():
+        if name not in aliases:
+            shape, dtype = reader.tensor_spec(f"model.{name}")
+            specs.append(TensorSpec(name, tuple(shape), dtype))
     metadata = {
         "format": "distlm",
         "arch": meta["arch"],
@@ -42,10 +50,13 @@ def export(checkpoint_path: str, out: str) -> Path:
         "tied_weights": json.dumps(aliases),
         "dictionary": json.dumps(meta.get("dictionary")),
     }
+    partial = target.with_name(f".{target.name}.incomplete")  # renamed into place when whole
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(target), metadata=metadata)
-    except (OSError, SafetensorError) as exc:
+        write_safetensors_file(partial, specs, lambda name: reader.tensor(f"model.{name}"), metadata)
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        partial.unlink(missing_ok=True)
         raise UsageError(f"--out {out}: cannot write ({exc})") from None
     return target
 
@@ -54,10 +65,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m distlm.export", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True,
                         help="a checkpoint directory, or a save dir (its checkpoint_last), e.g. checkpoints")
-    parser.add_argument("--out", required=True, help="output .safetensors file")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="output .safetensors file (distlm's own names)")
+    target.add_argument("--hf", metavar="OUT_DIR",
+                        help="Hugging Face model directory: config.json, sharded safetensors, tokenizer files")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help=f"with --hf: largest safetensors file, e.g. 5GB or 500MB (default: {DEFAULT_MAX_SHARD_SIZE})")
     try:
         args = parser.parse_args(argv)
-        path = export(args.checkpoint, args.out)
+        if args.hf is not None:
+            export_hf(args.checkpoint, args.hf, args.max_shard_size)
+            path = Path(args.hf)
+        else:
+            path = export(args.checkpoint, args.out)
     except UsageError as exc:
         print(f"distlm.export: error: {exc}", file=sys.stderr)
         return UsageError.exit_code

@@ -16,7 +16,6 @@ from typing import NoReturn, Sequence
 import torch.distributed as dist
 
 from distlm.backends.base import DistributedInitError
-from distlm.checkpoint import CheckpointError
 from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure
 from distlm.divergence import DivergenceError
@@ -63,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_main:
             print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (DistributedInitError, CollectiveFailure, CheckpointError) as exc:
+    except (DistributedInitError, CollectiveFailure) as exc:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
         print(f"distlm: error: {exc}", file=sys.stderr, flush=True)

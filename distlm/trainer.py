@@ -142,8 +142,9 @@ class Trainer:
                     printer.log(summary)
                     stats.reset()
                 epoch_after = self.sampler.epoch_of(self.progress.consumed_samples)
-                if applied or self._done():
-                    stop = self._validate_and_save(epoch_before + 1 if epoch_after > epoch_before else None, printer)
+                ended = epoch_before + 1 if epoch_after > epoch_before else None
+                if applied or ended is not None or self._done():
+                    stop = self._validate_and_save(ended, printer)
         finally:
             printer.close()
         self.checkpointer.wait()

@@ -3,16 +3,20 @@
 Each job trains 5 updates of the same global batch on real gloo processes and the test
 compares with a single-process AdamW reference computed here. One spawned job checks
 several things at once (parity, replicas, sharding, memory, checkpoint round trip), to
-keep the process count low on a 2-core machine.
+keep the process count low on a 2-core machine. Checkpoints go through the sharded path
+the Checkpointer uses (distlm/checkpoint/state.py with torch.distributed.checkpoint):
+each rank writes and reads only the partition it holds.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from distributed import run_distributed
@@ -37,7 +41,10 @@ PARAM_ATOL = 5e-6
 
 
 def optim_config() -> OptimConfig:
-    return OptimConfig(lr=1e-3, warmup_updates=2, max_update=100, clip_norm=1.0)
+    # adam_eps 1e-6, the value PARAM_ATOL was derived with: Adam's eps bounds how far it
+    # amplifies the reassociation noise of near-zero gradients, and at fairseq's 1e-8 a
+    # single element of 98304 drifted 8e-6 from the reference after 5 updates (tp test).
+    return OptimConfig(lr=1e-3, warmup_updates=2, max_update=100, clip_norm=1.0, adam_eps=1e-6)
 
 
 def global_batch(update: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,11 +114,49 @@ def _train_ddp(model, optimizer, schedule, first: int, last: int, on_update=None
         optimizer.zero_grad(set_to_none=True)
 
 
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, whole, in one process (the test's own reader)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in saved.items() if isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """What the Checkpointer saves of model and optimizer: each rank its own shards (collective)."""
+    from distlm.checkpoint.state import model_state, optimizer_state
+
+    dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=path)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """What the Checkpointer loads: each rank reads the slices of its own shards (collective)."""
+    from distlm.checkpoint.state import load_model_state, model_state, optimizer_state_to_load
+
+    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    state = {"model": model_state(model), "optimizer": optimizer_state_to_load(model, optimizer, saved)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # one process: "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    load_model_state(model, state["model"])
+
+
+def saved_moments(saved: dict[str, torch.Tensor], names: list[str]) -> dict[int, dict[str, torch.Tensor]]:
+    """The checkpoint's Adam state in ``AdamW.state_dict()`` form: keyed by parameter index."""
+    return {index: {field: saved[f"optimizer.{name}.{field}"] for field in ("step", "exp_avg", "exp_avg_sq")}
+            for index, name in enumerate(names)}
+
+
 def _zero1_job(archs: list[str], save_dir: str) -> dict:
     """Both archs in one spawned job (fewer processes on 2 cores)."""
     dist.init_process_group("gloo")
-    out = {arch: _zero1_run(arch, os.path.join(save_dir, f"{arch}.pt")) for arch in archs}
-    out["fp16"] = _zero1_fp16_run()
+    out = {arch: _zero1_run(arch, os.path.join(save_dir, arch)) for arch in archs}
+    out["fp16"] = _zero1_fp16_run(os.path.join(save_dir, "fp16"))
     out["frozen"] = _zero1_frozen_checkpoint_run(save_dir)
     return out
 
@@ -142,15 +187,11 @@ def _zero1_run(arch: str, save_path: str) -> dict:
         if update == 1:  # gradients still alive: the memory report counts them
             out["memory"] = memory_report(ddp, optimizer)
         if update == SAVE_AT:
-            state = optimizer.full_state_dict()  # collective on every rank
-            # torch's own route (collective consolidate, then state_dict on the target) agrees.
+            save_sharded(ddp, optimizer, save_path)
+            # torch's own route (gather everything to one rank) is the reference for what was saved.
             optimizer.consolidate_state_dict(to=0)
-            if rank == 0:
-                out["optimizer_at_save"] = state
-                out["stock_agrees"] = _same_state(optimizer.state_dict(), state)
-                torch.save({"model": model.state_dict(), "optimizer": state}, save_path)
-            else:
-                assert state is None
+            if rank == 0:  # a copy: the state of rank 0's own partition is the live tensors
+                out["stock_at_save"] = copy.deepcopy(optimizer.state_dict())
             dist.barrier()
 
     _train_ddp(ddp, optimizer, LRSchedule(cfg), 1, UPDATES, on_update)
@@ -159,13 +200,11 @@ def _zero1_run(arch: str, save_path: str) -> dict:
     out["numel"] = {n: p.numel() for n, p in model.named_parameters()}
     out["state_bytes"] = optimizer_state_bytes(optimizer)
 
-    # Resume from the checkpoint into a differently initialised model: every rank loads the full file.
-    checkpoint = torch.load(save_path, weights_only=True)
+    # Resume from the checkpoint into a differently initialised model: every rank reads its partition.
     resumed = new_model(arch, seed=99)
-    resumed.load_state_dict(checkpoint["model"])
     ddp = apply_ddp(resumed, cpu, dist.group.WORLD, 25.0)
     optimizer = build_zero1_optimizer(ddp.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float32)
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    load_sharded(ddp, optimizer, save_path)
     resumed_names = {p: n for n, p in resumed.named_parameters()}
     out["resumed_owned"] = sorted(resumed_names[p] for p in optimizer.state)
     _train_ddp(ddp, optimizer, LRSchedule(cfg), SAVE_AT + 1, UPDATES)
@@ -173,31 +212,34 @@ def _zero1_run(arch: str, save_path: str) -> dict:
     return out
 
 
-def _same_state(a: dict, b: dict) -> bool:
-    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() and all(
-        a["state"][i].keys() == b["state"][i].keys() and all(torch.equal(a["state"][i][k], b["state"][i][k]) for k in b["state"][i])
-        for i in b["state"]
-    )
-
-
-def _zero1_fp16_run() -> dict:
+def _zero1_fp16_run(path: str) -> dict:
     """--memory-efficient-fp16: fp16 weights, fp32 moments that stay fp32 through a checkpoint."""
     from distlm.parallel.zero1 import build_zero1_optimizer
 
     cfg = optim_config()
     torch.manual_seed(0)
     half = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).half()
-    optimizer = build_zero1_optimizer(half.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float16)
+
+    def build():
+        return build_zero1_optimizer(half.parameters(), AdamWSettings.from_config(cfg), dist.group.WORLD, torch.float16)
+
+    optimizer = build()
     for p in half.parameters():
         p.grad = torch.full_like(p, 1e-3)  # as if all-reduced: the same on every rank
     optimizer.step()
-    state = [optimizer.full_state_dict()]
-    dist.broadcast_object_list(state, src=0)
-    optimizer.load_state_dict(state[0])
-    optimizer.step()
+    save_sharded(half, optimizer, path)
+    resumed = build()
+    load_sharded(half, resumed, path)
+    out = {
+        "same_partition": resumed.state.keys() == optimizer.state.keys(),
+        "same_moments": all(torch.equal(resumed.state[p][k], optimizer.state[p][k])
+                            for p in optimizer.state for k in ("step", "exp_avg", "exp_avg_sq")),
+    }
+    resumed.step()
     return {
-        "inner": type(optimizer.optim).__name__,
-        "moments": sorted({str(v.dtype) for entry in optimizer.state.values() for k, v in entry.items() if k != "step"}),
+        **out,
+        "inner": type(resumed.optim).__name__,
+        "moments": sorted({str(v.dtype) for entry in resumed.state.values() for k, v in entry.items() if k != "step"}),
         "params": [p.detach().clone() for p in half.parameters()],
     }
 
@@ -205,8 +247,6 @@ def _zero1_fp16_run() -> dict:
 def _zero1_frozen_checkpoint_run(save_dir: str) -> dict:
     """A frozen parameter (here the first, the token embedding) has no optimizer state and no
     ZeRO-1 index: the checkpoint must still key every Adam moment by its own parameter's name."""
-    import torch.distributed.checkpoint as dcp
-
     from distlm.checkpoint.state import model_state, optimizer_state, optimizer_state_to_load
     from distlm.parallel.ddp import apply_ddp
     from distlm.parallel.zero1 import build_zero1_optimizer
@@ -239,17 +279,20 @@ def test_zero1_two_ranks_equal_single_process(tmp_path):
     results = run_distributed(_zero1_job, 2, archs, str(tmp_path))
     fp16 = [r["fp16"] for r in results]
     assert fp16[0]["inner"] == "Fp32StateAdamW" and fp16[0]["moments"] == ["torch.float32"]
+    assert all(r["same_moments"] and r["same_partition"] for r in fp16)
     assert all(torch.equal(a, b) for a, b in zip(fp16[0]["params"], fp16[1]["params"]))
     for arch in archs:
-        _check_two_ranks(arch, [r[arch] for r in results])
+        _check_two_ranks(arch, [r[arch] for r in results], str(tmp_path / arch))
     for frozen in (r["frozen"] for r in results):
         assert frozen["moment_shapes"] == frozen["param_shapes"]
         assert frozen["own"].keys() == frozen["resumed"].keys() and frozen["own"]
         assert all(torch.equal(frozen["own"][n], frozen["resumed"][n]) for n in frozen["own"])
 
 
-def _check_two_ranks(arch: str, ranks: list[dict]) -> None:
+def _check_two_ranks(arch: str, ranks: list[dict], checkpoint_path: str) -> None:
     expected = reference(arch)
+    saved = read_checkpoint(checkpoint_path)
+    names = [name for name, _ in new_model(arch).named_parameters()]
 
     for result in ranks:
         for name, value in expected["params"].items():
@@ -284,24 +327,28 @@ def _check_two_ranks(arch: str, ranks: list[dict]) -> None:
     assert max(held) <= bound
     assert max(held) < 0.75 * (8 * psi)  # and it does shard: far below one full copy
 
-    # The checkpoint is plain AdamW's state_dict format, with the same moments.
-    saved, plain = ranks[0]["optimizer_at_save"], expected["optimizer_at_save"]
-    assert ranks[0]["stock_agrees"]
-    assert saved["param_groups"] == plain["param_groups"]
-    assert saved["state"].keys() == plain["state"].keys()
+    # The checkpoint holds each parameter whole and every Adam moment under the parameter's
+    # name, exactly what torch's own gather-everything route (consolidate_state_dict) gives...
+    assert {key for key in saved if key.startswith("model.")} == {f"model.{name}" for name in names}
+    assert {key for key in saved if key.startswith("optimizer.")} == {
+        f"optimizer.{name}.{field}" for name in names for field in ("step", "exp_avg", "exp_avg_sq")}
+    moments, stock, plain = saved_moments(saved, names), ranks[0]["stock_at_save"], expected["optimizer_at_save"]
+    assert stock["state"].keys() == moments.keys() == plain["state"].keys()
     for index, entry in plain["state"].items():
-        assert saved["state"][index].keys() == entry.keys()
-        assert torch.equal(saved["state"][index]["step"], entry["step"])
-        # Moments follow the gradients, which differ from the reference by fp32
-        # reassociation; the absolute floor covers near-zero entries.
-        torch.testing.assert_close(saved["state"][index]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-8)
-        torch.testing.assert_close(saved["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+        assert moments[index].keys() == entry.keys()
+        assert all(torch.equal(moments[index][field], stock["state"][index][field]) for field in entry)
+        assert torch.equal(moments[index]["step"], entry["step"])
+        # ...and the moments of a single process. They follow the gradients, which differ
+        # from the reference by fp32 reassociation; the absolute floor covers near-zero entries.
+        torch.testing.assert_close(moments[index]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-8)
+        torch.testing.assert_close(moments[index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+    for name in names:
+        torch.testing.assert_close(saved[f"model.{name}"], expected["model_at_save"][name], rtol=0, atol=PARAM_ATOL)
 
-    # ...so a single process (or DDP) resumes from a ZeRO-1 checkpoint.
+    # So a single process (or DDP) resumes from a ZeRO-1 checkpoint.
     model = new_model(arch, seed=99)
-    model.load_state_dict(expected["model_at_save"])
     optimizer = build_optimizer(model.parameters(), AdamWSettings.from_config(optim_config()), torch.float32)
-    optimizer.load_state_dict(saved)
+    load_sharded(model, optimizer, checkpoint_path)
     schedule = LRSchedule(optim_config())
     for update in range(SAVE_AT + 1, UPDATES + 1):
         tokens, targets = global_batch(update)
@@ -332,17 +379,6 @@ def _tp_plan() -> dict:
     for name in ("attention.wo", "feed_forward.w2"):
         plan[f"layers.*.{name}"] = RowwiseParallel()
     return plan
-
-
-def _set_from_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full[name], p.device_mesh, p.placements, src_data_rank=None).to_local())
-            else:
-                p.copy_(full[name])
 
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -401,13 +437,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
         if update == 1:
             out["memory"] = memory_report(model, optimizer)
         if update == SAVE_AT:
-            state = optimizer.full_state_dict()  # collective: tp gathers, then dp gathers
-            if dist.get_rank() == 0:
-                out["optimizer_at_save"] = state
-                torch.save({"model": _full_params(model), "optimizer": state}, save_path)
-            else:
-                _full_params(model)  # full_tensor is collective over tp
-            dist.barrier()
+            save_sharded(model, optimizer, save_path)  # each (dp, tp) rank writes its own slices
 
     train(model, optimizer, 1, UPDATES, on_update)
     out["params"] = _full_params(model)
@@ -417,10 +447,9 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
     out["local_numel"] = {n: t.numel() for n, t in out["local"].items()}
     out["state_bytes"] = optimizer_state_bytes(optimizer)
 
-    checkpoint = torch.load(save_path, weights_only=True)
     resumed, optimizer = build(99)
-    _set_from_full(resumed, checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    load_sharded(resumed, optimizer, save_path)
+    out["resumed_owned"] = sorted(n for n, p in resumed.named_parameters() if p in optimizer.state)
     train(resumed, optimizer, SAVE_AT + 1, UPDATES)
     out["resumed"] = {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in resumed.named_parameters()}
     out["coords"] = (dp_rank, mesh["tp"].get_local_rank())
@@ -430,7 +459,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
 def test_zero1_with_tensor_parallel_dp2_tp2(tmp_path):
     arch = "llama_tiny"
     expected = reference(arch)
-    ranks = run_distributed(_tp_zero1_job, 4, arch, str(tmp_path / "checkpoint.pt"), timeout=180)
+    ranks = run_distributed(_tp_zero1_job, 4, arch, str(tmp_path / "checkpoint"), timeout=180)
     assert [r["coords"] for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[0]["dtensor"] and len(ranks[0]["dtensor"]) < len(expected["params"])  # a mixed model
 
@@ -458,13 +487,20 @@ def test_zero1_with_tensor_parallel_dp2_tp2(tmp_path):
         assert sum(held) == 8 * sum(numel.values()) + 4 * len(numel)
         assert max(held) < 0.75 * 8 * sum(numel.values())
 
-    saved, plain = ranks[0]["optimizer_at_save"], expected["optimizer_at_save"]
-    assert saved["param_groups"] == plain["param_groups"]
-    assert saved["state"].keys() == plain["state"].keys()
+        assert first["resumed_owned"] == first["owned"] and second["resumed_owned"] == second["owned"]
+
+    # The checkpoint holds whole tensors under single-device names, the moments of one process.
+    names = list(expected["params"])
+    saved = read_checkpoint(str(tmp_path / "checkpoint"))
+    moments, plain = saved_moments(saved, names), expected["optimizer_at_save"]
+    assert {key for key in saved if key.startswith("optimizer.")} == {
+        f"optimizer.{name}.{field}" for name in names for field in ("step", "exp_avg", "exp_avg_sq")}
     for index, entry in plain["state"].items():
-        assert torch.equal(saved["state"][index]["step"], entry["step"])
-        torch.testing.assert_close(saved["state"][index]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-8)
-        torch.testing.assert_close(saved["state"][index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+        assert torch.equal(moments[index]["step"], entry["step"])
+        torch.testing.assert_close(moments[index]["exp_avg"], entry["exp_avg"], rtol=1e-3, atol=1e-8)
+        torch.testing.assert_close(moments[index]["exp_avg_sq"], entry["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+    for name in names:
+        torch.testing.assert_close(saved[f"model.{name}"], expected["model_at_save"][name], rtol=0, atol=PARAM_ATOL)
 
 
 # ------------------------------------------------------------------------ no processes

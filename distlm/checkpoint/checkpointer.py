@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import shutil
+import socket
 import time
 import warnings
 from concurrent.futures import Future
@@ -48,8 +50,12 @@ logger = logging.getLogger("distlm")
 FORMAT_VERSION = 2
 
 
-class CheckpointError(RuntimeError):
-    """Saving failed (disk full, a peer lost); the message names the path, and the previous checkpoint is intact."""
+class CheckpointError(UsageError, RuntimeError):
+    """Saving failed (a full disk, a write error); the message names the path, and the previous checkpoint is intact.
+
+    A ``UsageError``, so the command line ends with that one line and exit status 2: what
+    fixes it (space, permissions, the file system) is the user's.
+    """
 
 
 @dataclass
@@ -88,6 +94,8 @@ class Checkpointer:
         self.save_dir = Path(settings.save_dir)
         self._pending: tuple[Future, list[str], dict[str, Any]] | None = None
         self._async_group = None
+        self._saved_at: int | None = None
+        """The update the newest checkpoint (saved or resumed from) holds: saving it again would repeat it."""
 
     @property
     def enabled(self) -> bool:
@@ -99,15 +107,21 @@ class Checkpointer:
         """Check the save dir before training and clean up after a killed save (collective)."""
         if not self.enabled:
             return
-        problems = self.ctx.all_gather_object(_unusable_save_dir(self.save_dir))
+        problem = _unusable_save_dir(self.save_dir)
+        if problem is None and self.ctx.is_main:
+            # Before the collective below, so no rank looks for checkpoint_last while rank 0
+            # may still be moving it back into place.
+            try:
+                for action in directory.recover(self.save_dir):
+                    logger.info("--save-dir %s: %s", self.save_dir, action)
+            except OSError as err:
+                problem = f"--save-dir {self.save_dir}: cannot clean up after an interrupted save ({_reason(err)})"
+        problems = self.ctx.all_gather_object(problem)
         if problems[self.ctx.rank] is not None:
             raise UsageError(problems[self.ctx.rank])
         refused = [rank for rank, problem in enumerate(problems) if problem is not None]
         if refused:
             raise UsageError(f"--save-dir {self.save_dir} is not usable on ranks {refused} (their errors say why)")
-        if self.ctx.is_main:
-            for action in directory.recover(self.save_dir):
-                logger.info("--save-dir %s: %s", self.save_dir, action)
         if self.settings.async_save and self.ctx.is_distributed:
             # Background saves run their collectives on a group of their own, so they never
             # interleave with the training loop's collectives on the default group.
@@ -120,15 +134,21 @@ class Checkpointer:
         if settings.no_save and not explicit:
             return None  # --no-save: neither save nor resume, unless a checkpoint is named
         path = self._restore_path()
+        # A directory under a checkpoint's name that lacks a metadata file is damaged (commit
+        # renames only complete ones): refused, never taken for "no checkpoint" and overwritten.
+        damage = _incomplete(path) if path is not None and path.is_dir() else None
         found = path is not None and (legacy.is_legacy(path) or directory.is_complete(path))
-        seen = self.ctx.all_gather_object(found)
-        if len(set(seen)) > 1:
-            sees = [rank for rank, ok in enumerate(seen) if ok]
+        seen = self.ctx.all_gather_object((found, damage))
+        if len({ok for ok, _ in seen}) > 1:
+            sees = [rank for rank, (ok, _) in enumerate(seen) if ok]
             name = path.name if path is not None else settings.restore_file
             raise UsageError(
                 f"--save-dir {self.save_dir}: {name} is there on ranks {sees} only; "
                 "put --save-dir on a file system that every rank shares"
             )
+        damaged = [problem for _, problem in seen if problem is not None]
+        if damaged:
+            raise UsageError(damaged[0])
         if not found:
             if explicit:
                 raise UsageError(f"--restore-file {settings.restore_file}: no checkpoint there ({path})")
@@ -200,13 +220,19 @@ class Checkpointer:
                     "layout changed (world %s, %s -> world %d, %s): dropout RNG reseeded by data-parallel rank",
                     meta.get("world_size"), meta.get("layout"), self.ctx.world_size, self.ctx.layout,
                 )
+        self._saved_at = progress.num_updates
+        legacy.read.cache_clear()  # an old single-file checkpoint is read once, not kept for the run
         what = "weights of" if weights_only else "resumed from"
         logger.info("%s %s at update %d (%d samples consumed)", what, resume.path, progress.num_updates,
                     progress.consumed_samples)
         return progress
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizer, load_optimizer: bool) -> dict | None:
-        saved = dcp.FileSystemReader(str(path)).read_metadata()
+        try:
+            saved = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+            raise UsageError(f"{path / directory.DCP_METADATA_FILE}: not readable ({_first_line(err)}); "
+                             "the checkpoint is damaged") from None
         _check_shards_present(path, saved)
         keys = set(saved.state_dict_metadata)
         state: dict[str, Any] = {"model": model_state(model)}
@@ -230,17 +256,29 @@ class Checkpointer:
     # ------------------------------------------------------------------- save
 
     def due(self, num_updates: int, end_of_epoch: int | None, done: bool) -> list[str]:
-        """Names to save now, after an *applied* update (``end_of_epoch``: the epoch that just ended)."""
-        if not self.enabled:
+        """Names to save now (``end_of_epoch``: the epoch that just ended, if one did).
+
+        fairseq's rule: a save is due every ``--save-interval-updates`` updates, at the end
+        of every ``--save-interval``-th epoch and when training stops. It writes
+        ``checkpoint_<updates>`` at an interval inside an epoch, ``checkpoint<epoch>`` at
+        the end of a due epoch (unless ``--no-epoch-checkpoints``) and ``checkpoint_last``
+        (unless ``--no-last-checkpoints``). Nothing is due while the update count has not
+        moved since the newest checkpoint (saved or resumed from): a skipped update (fp16
+        overflow, the first update of double buffering) or a run that resumes finished
+        would write the same checkpoint again.
+        """
+        if not self.enabled or num_updates == self._saved_at:
             return []
         settings = self.settings
+        interval_due = bool(settings.save_interval_updates) and num_updates > 0 and (
+            num_updates % settings.save_interval_updates == 0)
+        epoch_due = end_of_epoch is not None and end_of_epoch % settings.save_interval == 0
         names = []
-        interval = settings.save_interval_updates
-        if interval and num_updates % interval == 0:
+        if interval_due and end_of_epoch is None:
             names.append(directory.numbered(num_updates))
-        if end_of_epoch is not None and not settings.no_epoch_checkpoints and end_of_epoch % settings.save_interval == 0:
+        if epoch_due and not settings.no_epoch_checkpoints:
             names.append(directory.epoch_name(end_of_epoch))
-        if (names or done or end_of_epoch is not None) and not settings.no_last_checkpoints:
+        if (interval_due or epoch_due or done) and not settings.no_last_checkpoints:
             names.append(directory.LAST)
         return names
 
@@ -256,18 +294,46 @@ class Checkpointer:
     ) -> None:
         """Write one checkpoint under ``names`` (collective). ``describe`` adds to distlm.json
         (dictionary, config); rank 0 calls ``write_extras(directory)`` to add small files
-        (the tokenizer). The next save, or ``wait()``, completes an asynchronous one."""
+        (the tokenizer). The next save, or ``wait()``, completes an asynchronous one.
+
+        A failed write ends with ``CheckpointError`` on every rank, a peer lost meanwhile
+        with ``CollectiveFailure``: one line each, and the previous checkpoint is intact.
+        """
         if not names or not self.enabled:
             return
         self.wait()
+        with self.ctx.naming_failed_collectives(progress.num_updates):
+            self._save(names, progress, model, optimizer, scaler, describe, write_extras)
+
+    def _save(
+        self,
+        names: list[str],
+        progress: TrainProgress,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler,
+        describe: dict[str, Any],
+        write_extras: Callable[[Path], None] | None,
+    ) -> None:
         first = names[0]
+        self._saved_at = progress.num_updates
         staged = directory.incomplete(self.save_dir, first)
+        failure = None
         if self.ctx.is_main:
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
-            if write_extras is not None:
-                write_extras(staged)
-        self.ctx.barrier()
+            try:
+                shutil.rmtree(staged, ignore_errors=True)
+                staged.mkdir(parents=True)
+                if write_extras is not None:
+                    write_extras(staged)
+            except OSError as err:
+                shutil.rmtree(staged, ignore_errors=True)
+                failure = _reason(err)
+        # Also the barrier before anyone writes into the staged directory.
+        failure = self.ctx.all_gather_object(failure)[0]
+        if failure is not None:
+            raise CheckpointError(
+                f"saving {first} in {self.save_dir} failed: {failure}; the previous checkpoint is intact"
+            )
         state = {
             "model": model_state(model),
             "optimizer": optimizer_state(model, optimizer),
@@ -296,7 +362,7 @@ class Checkpointer:
             with _single_process_quiet():
                 dcp.save(state, checkpoint_id=str(staged), no_dist=not self.ctx.is_distributed)
         except (dcp.CheckpointException, OSError) as err:
-            self._abandon(staged, err)
+            self._abandon(names, err)
         self._commit(names, meta)
         logger.info("saved %s in %.2f s", ", ".join(names), time.perf_counter() - started)
 
@@ -306,11 +372,12 @@ class Checkpointer:
             return
         future, names, meta = self._pending
         self._pending = None
-        try:
-            future.result()
-        except (dcp.CheckpointException, OSError) as err:
-            self._abandon(directory.incomplete(self.save_dir, names[0]), err)
-        self._commit(names, meta)
+        with self.ctx.naming_failed_collectives(meta["progress"]["num_updates"]):
+            try:
+                future.result()
+            except (dcp.CheckpointException, OSError) as err:
+                self._abandon(names, err)
+            self._commit(names, meta)
         logger.info("saved %s (written in the background)", ", ".join(names))
 
     def _commit(self, names: list[str], meta: dict[str, Any]) -> None:
@@ -329,30 +396,50 @@ class Checkpointer:
                 ):
                     logger.info("deleted %s (--keep-interval-updates/--keep-last-epochs)", name)
             except OSError as err:
-                failure = f"{err.strerror or err}"
+                shutil.rmtree(directory.incomplete(self.save_dir, names[0]), ignore_errors=True)
+                failure = _reason(err)
         failure = self.ctx.all_gather_object(failure)[0]
         if failure is not None:
             raise CheckpointError(
                 f"saving {', '.join(names)} in {self.save_dir} failed: {failure}; the previous checkpoint is intact"
             )
 
-    def _abandon(self, staged: Path, err: BaseException) -> None:
+    def _abandon(self, names: list[str], err: BaseException) -> None:
+        """End a save that failed on some rank: every rank raises, rank 0 removes the staged directory."""
+        reason = _save_failure(err, self.save_dir)  # before the partial files free their space
         if self.ctx.is_main:
-            shutil.rmtree(staged, ignore_errors=True)
+            shutil.rmtree(directory.incomplete(self.save_dir, names[0]), ignore_errors=True)
         raise CheckpointError(
-            f"saving a checkpoint in {self.save_dir} failed: {_first_line(err)}; the previous checkpoint is intact"
+            f"saving {', '.join(names)} in {self.save_dir} failed: {reason}; the previous checkpoint is intact"
         ) from None
 
 
 def _unusable_save_dir(save_dir: Path) -> str | None:
+    """Why checkpoints cannot be written into ``save_dir``, found by writing a file there
+    (permission bits say nothing for root, a read-only mount or a full quota); None if they can."""
     if save_dir.exists() and not save_dir.is_dir():
         return f"--save-dir {save_dir} is a file; name a directory"
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"--save-dir {save_dir} cannot be created ({err.strerror or err}); name a writable directory"
-    if not os.access(save_dir, os.W_OK | os.X_OK):
-        return f"--save-dir {save_dir} is not writable; fix its permissions or name another directory"
+        return f"--save-dir {save_dir} cannot be created ({_reason(err)}); name a writable directory"
+    probe = save_dir / f".distlm-write-test-{os.getpid()}-{socket.gethostname()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"0")
+    except OSError as err:
+        return f"--save-dir {save_dir} is not writable ({err.strerror or err}); fix its permissions or name another directory"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def _incomplete(path: Path) -> str | None:
+    """Why the checkpoint directory ``path`` cannot be read (a metadata file missing), or None."""
+    for name in (directory.META_FILE, directory.DCP_METADATA_FILE):
+        if not (path / name).is_file():
+            return f"{path} lacks {name}; the checkpoint is incomplete (remove it, or name another with --restore-file)"
     return None
 
 
@@ -389,6 +476,33 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
         yield
+
+
+def _reason(err: OSError) -> str:
+    return f"{err.strerror}: {err.filename}" if err.strerror and err.filename else err.strerror or str(err)
+
+
+def _save_failure(err: BaseException, save_dir: Path) -> str:
+    """One line for a failed write. torch's tensor writer reports a full disk as a
+    RuntimeError about file positions ("unexpected pos 704 vs 598"), so a failed write with
+    almost no space left on the save dir's file system is named for what it is."""
+    if _is_enospc(err):
+        return os.strerror(errno.ENOSPC)
+    with contextlib.suppress(OSError):
+        stats = os.statvfs(save_dir)
+        if stats.f_bavail * stats.f_frsize < _LOW_SPACE_BYTES:
+            return f"{os.strerror(errno.ENOSPC)} ({stats.f_bavail * stats.f_frsize} bytes free)"
+    return _first_line(err)
+
+
+# A failed write that leaves less free space than this is taken for a full disk.
+_LOW_SPACE_BYTES = 64 * 1024
+
+
+def _is_enospc(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno == errno.ENOSPC
+    return "No space left on device" in str(err) or f"Errno {errno.ENOSPC}" in str(err)
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,9 +1,10 @@
 """Reading a checkpoint offline, in one process with no process group (export, tools, tests).
 
 ``CheckpointReader(path)`` takes a checkpoint directory, a save dir (meaning its
-``checkpoint_last``) or a file of the old single-file format. Tensors are read whole,
-one at a time, from whatever shards hold them, so exporting needs about one copy of the
-weights in memory and never the optimizer's.
+``checkpoint_last``) or a file of the old single-file format. Tensors are read whole
+from whatever shards hold them: one at a time for export, which so holds one tensor and
+never the optimizer's; all at once for ``load`` (tests, small tools), which reads them
+in one pass.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def resolve(path: str | Path) -> Path:
         for candidate in (path / directory.LAST, path / directory.LEGACY_LAST_FILE):
             if legacy.is_legacy(candidate) or directory.is_complete(candidate):
                 return candidate
-        if (path / directory.META_FILE).exists() or (path / directory.DCP_METADATA_FILE).exists():
-            missing = directory.META_FILE if not (path / directory.META_FILE).exists() else directory.DCP_METADATA_FILE
-            raise UsageError(f"{path} lacks {missing}; the checkpoint is incomplete")
+        # A checkpoint directory (or a save dir's checkpoint_last) with a metadata file missing.
+        for damaged in (path, path / directory.LAST):
+            present = [(damaged / name).is_file() for name in (directory.META_FILE, directory.DCP_METADATA_FILE)]
+            if any(present) or damaged.name == directory.LAST and damaged.is_dir():
+                missing = directory.META_FILE if not present[0] else directory.DCP_METADATA_FILE
+                raise UsageError(f"{damaged} lacks {missing}; the checkpoint is incomplete")
         raise UsageError(f"{path} is neither a distlm checkpoint nor a save dir holding {directory.LAST}")
     raise UsageError(f"{path}: no such file")
 
@@ -48,7 +52,7 @@ class CheckpointReader:
             try:
                 self.meta = json.loads((self.path / directory.META_FILE).read_text())
                 metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
-            except (OSError, ValueError) as err:
+            except Exception as err:  # noqa: BLE001 - OSError, bad JSON, or a damaged pickle (anything)
                 raise UsageError(f"{self.path}: not readable ({err}); the checkpoint is damaged") from None
             for key in ("arch", "task", "progress"):
                 if key not in self.meta:
@@ -62,10 +66,28 @@ class CheckpointReader:
             if missing:
                 raise UsageError(f"{self.path} lacks shard {missing[0]}; the checkpoint is incomplete")
 
+    def keys(self) -> list[str]:
+        """The full key of every tensor the checkpoint holds (model, optimizer, each rank's RNG)."""
+        if self.is_legacy:
+            state = legacy.read(self.path)
+            return [f"model.{name}" for name in state["model"]] + [
+                f"optimizer.{name}.{field}" for name, entry in state["optimizer"]["state"].items() for field in entry]
+        return list(self._tensors)
+
     def model_names(self) -> list[str]:
         if self.is_legacy:
             return list(legacy.read(self.path)["model"])
         return [key.removeprefix("model.") for key in self._tensors if key.startswith("model.")]
+
+    def tensor_spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of one tensor, without reading it."""
+        if self.is_legacy:
+            tensor = self.tensor(key)
+            return tensor.shape, tensor.dtype
+        info = self._tensors.get(key)
+        if info is None:
+            raise UsageError(f"{self.path} holds no tensor {key}")
+        return info.size, info.properties.dtype
 
     def tensor(self, key: str) -> torch.Tensor:
         """One tensor, whole, by its full key (``model.<name>``, ``optimizer.<name>.exp_avg``)."""
@@ -76,14 +98,22 @@ class CheckpointReader:
                 return state["model"][rest]
             name, _, field = rest.rpartition(".")
             return state["optimizer"]["state"][name][field]
-        info = self._tensors.get(key)
-        if info is None:
-            raise UsageError(f"{self.path} holds no tensor {key}")
-        tensor = torch.empty(info.size, dtype=info.properties.dtype)
+        return self.tensors([key])[key]
+
+    def tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Several whole tensors by full key, read together (one pass over the metadata, fewer reads)."""
+        if self.is_legacy:
+            return {key: self.tensor(key) for key in keys}
+        state = {}
+        for key in keys:
+            info = self._tensors.get(key)
+            if info is None:
+                raise UsageError(f"{self.path} holds no tensor {key}")
+            state[key] = torch.empty(info.size, dtype=info.properties.dtype)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            dcp.load({key: tensor}, checkpoint_id=str(self.path), no_dist=True)
-        return tensor
+            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        return state
 
     def model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, whole tensor)`` for every model weight, one at a time."""
@@ -95,10 +125,9 @@ class CheckpointReader:
         if self.is_legacy:
             return legacy.read(self.path)["optimizer"]["state"]
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for key in self._tensors:
-            if key.startswith("optimizer."):
-                name, _, field = key.removeprefix("optimizer.").rpartition(".")
-                state.setdefault(name, {})[field] = self.tensor(key)
+        for key, tensor in self.tensors([key for key in self._tensors if key.startswith("optimizer.")]).items():
+            name, _, field = key.removeprefix("optimizer.").rpartition(".")
+            state.setdefault(name, {})[field] = tensor
         return state
 
 
@@ -106,9 +135,11 @@ def load(path: str | Path) -> dict[str, Any]:
     """A whole checkpoint as one dict: its description, ``model`` and ``optimizer["state"]``
     by parameter name, ``num_updates`` and ``consumed_samples`` (for tests and small tools)."""
     reader = CheckpointReader(path)
+    names = reader.model_names()
+    model = reader.tensors([f"model.{name}" for name in names])
     return {
         **reader.meta,
-        "model": dict(reader.model_tensors()),
+        "model": {name: model[f"model.{name}"] for name in names},
         "optimizer": {"state": reader.optimizer_state()},
         "num_updates": reader.meta["progress"]["num_updates"],
         "consumed_samples": reader.meta["progress"]["consumed_samples"],

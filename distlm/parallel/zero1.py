@@ -19,10 +19,9 @@ optimizer, state bookkeeping), with three changes:
   DTensor and plain parameters (norms outside the tp plan) steps under
   ``implicit_replication`` (torch's foreach AdamW otherwise refuses mixed lists).
 - ``optimizer.state`` is this rank's shard (the local optimizer's state), so memory
-  accounting from ``optimizer.state`` counts what the rank really holds, and
-  ``full_state_dict()``/``load_state_dict()`` speak the plain ``AdamW.state_dict()``
-  format with full tensors, so checkpoints move freely between zero1, ddp and other
-  world sizes.
+  accounting from ``optimizer.state`` counts what the rank really holds. Checkpoints
+  save and load that shard in place, under parameter names (distlm/checkpoint/state.py):
+  nothing is gathered, and they move freely between zero1, ddp and other world sizes.
 
 ``overlap_with_ddp`` is not used: it hangs on gloo, and all it could hide behind
 backward is this rank's 1/N share of the elementwise Adam update; the gradient
@@ -33,7 +32,6 @@ finish before the next forward anyway.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import warnings
 from typing import Any, Iterable
@@ -47,7 +45,7 @@ with warnings.catch_warnings():
     # which warns "torch.jit.script is deprecated" dozens of times; none of it is used here.
     warnings.simplefilter("ignore", DeprecationWarning)
     from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from distlm.optim import AdamWSettings, Fp32StateAdamW, build_optimizer
 
@@ -82,7 +80,7 @@ def build_zero1_optimizer(
 
 
 class Zero1Optimizer(ZeroRedundancyOptimizer):
-    """``ZeroRedundancyOptimizer`` with coalesced parameter sync, DTensor parameters and full-tensor checkpoints.
+    """``ZeroRedundancyOptimizer`` with coalesced parameter sync and DTensor parameters.
 
     ``step()`` is collective over the dp group. Parameters are assigned whole to
     ranks (largest first, each to the least-loaded rank; sizes are global numels,
@@ -158,72 +156,7 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
             size += nbytes
         return buckets
 
-    # -------------------------------------------------------------- checkpoint
-
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, Any] | None:
-        """The whole optimizer state in ``torch.optim.AdamW.state_dict()`` format, full (unsharded) tensors.
-
-        Collective: every rank of the job must call it (DTensor moments are gathered
-        over their tp group, then the dp group's shards go to its rank 0). Returns the
-        dict on ranks that are rank 0 of their dp group (global rank 0 among them,
-        which should save it), None elsewhere.
-        """
-        self._sync_param_groups(self.param_groups, self.optim.param_groups)
-        index_of = self._param_to_index
-        mine: dict[int, dict[str, Any]] = {}
-        # Same order on every tp rank (same partition, same names), as full_tensor needs.
-        for group in self.optim.param_groups:
-            for p in group["params"]:
-                entry = self.optim.state.get(p)
-                if entry:
-                    mine[index_of[p]] = {k: _full(v) for k, v in entry.items()}
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=self._owner_ranks[0], group=self.process_group)
-        if self.rank != 0:
-            return None
-        state: dict[int, Any] = {}
-        for shard in gathered:
-            state.update(shard)
-        full = torch.optim.Optimizer.state_dict(self)  # param_groups with global indices
-        full["state"] = dict(sorted(state.items()))
-        return full
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from ``full_state_dict()`` or a plain AdamW) on every rank.
-
-        Each rank keeps only its partition's entries, cut to its local shard for
-        DTensor parameters; the caller's dict is neither kept nor changed.
-        """
-        params = self._index_to_param
-        owned = {}
-        for index, entry in state_dict["state"].items():
-            param = params[index]
-            if self._param_to_rank[param] == self.rank:
-                owned[index] = {k: _like_param(v, param) for k, v in entry.items()}
-        super().load_state_dict({"state": owned, "param_groups": copy.deepcopy(state_dict["param_groups"])})
-        # torch's load also fills the outer state (for owned parameters, with the same
-        # tensors); keep one object so optimizer.state stays this rank's shard.
-        self.state = self.optim.state
-
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-
-def _full(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor().cpu()
-    if isinstance(value, torch.Tensor):
-        return value.cpu().clone()
-    return value
-
-
-def _like_param(value: Any, param: torch.Tensor) -> Any:
-    """A saved full state tensor as this rank holds it: on the parameter's device, sharded like it."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value.clone() if isinstance(value, torch.Tensor) else value  # Adam's "step" stays a CPU scalar
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank cuts its own shard from the full tensor, no communication.
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value.to(param.device, copy=True)

@@ -213,7 +213,7 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
     return shards if shards[0] else []
 
 
-def _write_safetensors_file(
+def write_safetensors_file(
     path: Path, specs: Sequence[TensorSpec], fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]
 ) -> None:
     """One safetensors file: an 8-byte little-endian header length, the JSON header
@@ -274,13 +274,13 @@ def write_safetensors(
     metadata = {"format": "pt"}
     if len(shards) <= 1:
         path = directory / WEIGHTS_NAME
-        _write_safetensors_file(path, shards[0] if shards else [], fetch, metadata)
+        write_safetensors_file(path, shards[0] if shards else [], fetch, metadata)
         return [path]
     paths: list[Path] = []
     weight_map: dict[str, str] = {}
     for index, shard in enumerate(shards, start=1):
         path = directory / _SHARD_NAME.format(index=index, count=len(shards))
-        _write_safetensors_file(path, shard, fetch, metadata)
+        write_safetensors_file(path, shard, fetch, metadata)
         paths.append(path)
         weight_map.update((spec.name, path.name) for spec in shard)
     index_metadata = {
