@@ -1,0 +1,167 @@
+"""Hugging Face in and out through training: --init-from-hf under every layout, and
+``python -m distlm.export --hf`` of checkpoints that sharded strategies wrote.
+
+The adapters themselves are checked in test_hf_models.py; here the whole path is:
+transformers' files -> distlm's Trainer -> a checkpoint -> transformers' own model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from distributed import run_distributed
+from distlm.checkpoint import CheckpointReader
+from distlm.config import parse_args
+from distlm.errors import UsageError
+from distlm.export import main as export_main
+from distlm.models.hf import load_hf_model
+from distlm.parallel.full_state import consolidated_parameters
+from distlm.trainer import Trainer
+from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_hf_models import LLAMA_SETTINGS, ROBERTA_SETTINGS, perturbed
+
+# The data's dictionary (40 words, fairseq's 4 specials and <mask>) fits in 64 rows.
+HF_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    """A small Llama (grouped-query attention, llama3 rope) and RoBERTa in Hugging Face
+    layout, every weight perturbed so that a wrong mapping cannot hide."""
+    root = tmp_path_factory.mktemp("hf_models")
+    torch.manual_seed(0)
+    models = {
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_SETTINGS, "vocab_size": HF_VOCAB})),
+        "roberta": transformers.RobertaForMaskedLM(
+            transformers.RobertaConfig(**{**ROBERTA_SETTINGS, "vocab_size": HF_VOCAB, "max_position_embeddings": 70})
+        ),
+    }
+    dirs = {}
+    for name, model in models.items():
+        dirs[name] = str(root / name)
+        perturbed(model, seed=len(name)).save_pretrained(dirs[name])
+    return dirs
+
+
+def hf_args(data: str, save_dir: str, hf_dir: str, task: str) -> list[str]:
+    args = [a for a in common_args(data, save_dir) if a not in ("--arch", "roberta_tiny", "--no-save")]
+    return args + ["--init-from-hf", hf_dir, "--task", task, "--batch-size", "4", "--disable-validation"]
+
+
+def initial_parameters(runs: list[tuple[str, list[str]]]) -> dict[str, dict]:
+    """Every parameter whole, before any update, for each (name, args) run."""
+    return {name: consolidated_parameters(Trainer(parse_args(args)).model) for name, args in runs}
+
+
+def test_init_from_hf_loads_the_weights_exactly_under_every_layout(data_dir, hf_dirs, tmp_path):
+    runs = []
+    for family, task in (("llama", "causal_lm"), ("roberta", "masked_lm")):
+        base = hf_args(data_dir, str(tmp_path / family), hf_dirs[family], task) + ["--no-save"]
+        runs += [(f"{family}-ddp", base), (f"{family}-fsdp", base + ["--strategy", "fsdp"]),
+                 (f"{family}-zero1-tp2", base + ["--strategy", "zero1", "--tp-degree", "2"])]
+    ranks = run_distributed(initial_parameters, 4, runs, timeout=240)
+    for family in ("llama", "roberta"):
+        expected = dict(load_hf_model(hf_dirs[family])[0].named_parameters())
+        for layout in ("ddp", "fsdp", "zero1-tp2"):
+            for rank in ranks:
+                loaded = rank[f"{family}-{layout}"]
+                assert loaded.keys() == expected.keys(), (family, layout)
+                for name, value in expected.items():
+                    assert torch.equal(loaded[name], value.detach()), (family, layout, name)
+
+
+def save_initial_checkpoint(args: list[str]) -> None:
+    Trainer(parse_args(args)).save_checkpoint()
+
+
+@pytest.mark.parametrize("family", ["llama", "roberta"])
+def test_hf_in_checkpoint_out_gives_transformers_the_same_model(data_dir, hf_dirs, tmp_path, family):
+    task = "causal_lm" if family == "llama" else "masked_lm"
+    save_initial_checkpoint(hf_args(data_dir, str(tmp_path / "run"), hf_dirs[family], task))
+    out = tmp_path / "exported"
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--hf", str(out), "--max-shard-size", "40KB"]) == 0
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]  # sharded
+    load = transformers.AutoModelForCausalLM if family == "llama" else transformers.AutoModelForMaskedLM
+    original, exported = (load.from_pretrained(path, dtype=torch.float32).eval() for path in (hf_dirs[family], out))
+    original_weights, exported_weights = original.state_dict(), exported.state_dict()
+    assert original_weights.keys() == exported_weights.keys()
+    for name, value in original_weights.items():
+        if "position_embeddings" in name or "token_type_embeddings" in name:
+            continue  # distlm folds the token-type row into the positions: compared as their sum below
+        assert torch.equal(exported_weights[name], value), name
+    if family == "roberta":
+        prefix = "roberta.embeddings."
+
+        def summed(weights):
+            return weights[prefix + "position_embeddings.weight"] + weights[prefix + "token_type_embeddings.weight"][0]
+
+        # Folding adds the row in fp32, once: within one rounding of the larger term.
+        torch.testing.assert_close(summed(exported_weights), summed(original_weights), rtol=0, atol=1e-7)
+    ids = torch.randint(4, HF_VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, original(ids).logits, rtol=0, atol=1e-5)
+
+
+def train_and_save(runs: list[tuple[list[str], int]]) -> None:
+    for args, updates in runs:
+        trainer = Trainer(parse_args(args))
+        batches = trainer.update_batches()
+        for _ in range(updates):
+            trainer.train_step(next(batches))
+        trainer.save_checkpoint()
+
+
+def test_fsdp_tp2_checkpoint_exports_a_model_transformers_runs(data_dir, tmp_path):
+    """5 updates under FSDP x TP 2 on 4 ranks; transformers' logits of the --hf export equal
+    distlm's own model loaded from the plain export (distlm's names) within 1e-5."""
+    runs = []
+    for arch in ("llama_tiny", "roberta_tiny"):
+        args = [a for a in common_args(data_dir, str(tmp_path / arch), arch) if a != "--no-save"]
+        runs.append((args + ["--batch-size", "4", "--strategy", "fsdp", "--tp-degree", "2", "--disable-validation"], 5))
+    run_distributed(train_and_save, 4, runs, timeout=240)
+    for arch, load in (("llama_tiny", transformers.AutoModelForCausalLM),
+                       ("roberta_tiny", transformers.AutoModelForMaskedLM)):
+        save_dir = tmp_path / arch
+        assert export_main(["--checkpoint", str(save_dir), "--hf", str(save_dir / "hf")]) == 0
+        reader = CheckpointReader(save_dir)
+        assert reader.meta["progress"]["num_updates"] == 5
+        distlm_model = _distlm_model(reader)
+        hf = load.from_pretrained(save_dir / "hf", dtype=torch.float32).eval()
+        ids = torch.randint(4, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, distlm_model(ids), rtol=0, atol=1e-5)
+
+
+def _distlm_model(reader: CheckpointReader) -> torch.nn.Module:
+    from distlm.models import LlamaCausalLM, LlamaConfig, RobertaConfig, RobertaMaskedLM
+
+    classes = {"llama": (LlamaCausalLM, LlamaConfig), "roberta": (RobertaMaskedLM, RobertaConfig)}
+    model_class, config_class = classes[reader.meta["family"]]
+    model = model_class(config_class(**reader.meta["model_config"]))
+    model.load_state_dict(dict(reader.model_tensors()), strict=False)  # buffers are derived, not saved
+    model.init_buffers()
+    return model.eval()
+
+
+def test_hf_settings_distlm_cannot_run_are_refused_by_name(data_dir, hf_dirs, tmp_path):
+    llama = hf_args(data_dir, str(tmp_path), hf_dirs["llama"], "causal_lm") + ["--no-save"]
+    with pytest.raises(UsageError, match="--arch roberta_tiny is a roberta model but --init-from-hf"):
+        Trainer(parse_args(llama + ["--arch", "roberta_tiny"]))
+    with pytest.raises(UsageError, match="takes the model's sizes from .* drop the flags that set n_layers"):
+        Trainer(parse_args(llama + ["--decoder-layers", "3"]))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UsageError, match="^config.json model_type='gpt2'"):
+        Trainer(parse_args(hf_args(data_dir, str(tmp_path), str(unknown), "causal_lm") + ["--no-save"]))
+    small = tmp_path / "small_vocab"
+    config = json.loads((Path(hf_dirs["llama"]) / "config.json").read_text())
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))
+    with pytest.raises(UsageError, match="dictionary has 44 symbols but hf_llama has a vocabulary of 16"):
+        Trainer(parse_args(hf_args(data_dir, str(tmp_path), str(small), "causal_lm") + ["--no-save"]))
