@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -172,6 +173,8 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     backend = get_backend(settings.device)
     dims = validate(config, env, backend, model)
     backend.setup(env, config.precision_mode, settings.network)
+    # Before the process group starts: NCCL reads these when its communicators are made.
+    backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
     timeout = datetime.timedelta(seconds=settings.timeout_sec)
     if env.is_distributed and not dist.is_initialized():
         backend.init_process_group(env, timeout)

@@ -13,7 +13,7 @@ import datetime
 import importlib.util
 import os
 import sys
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,11 @@ class Backend:
         """Validate the request against the hardware and apply presets; before any process group."""
         self.check_precision(precision)
         self.check_network(network)
+
+    def record_collectives(self, dump_dir: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+        """Keep a record of recent collectives, dumped to ``dump_dir`` when one times out;
+        returns the variables set. Only NCCL has such a flight recorder."""
+        return {}
 
     def init_process_group(self, env: ClusterEnv, timeout: datetime.timedelta) -> None:
         store = create_store(env, timeout)

@@ -7,10 +7,15 @@ on a CPU-only machine. Device choice and the EFA preset are the accelerator base
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import MutableMapping
+
 import torch
 
 from distlm.backends.accelerator import AcceleratorBackend
 from distlm.backends.base import check_precision_name
+from distlm.backends.efa import apply_env_preset
 from distlm.errors import UsageError
 
 
@@ -36,11 +41,28 @@ def supports_gpudirect_rdma(capability: tuple[int, int]) -> bool:
     return major >= 8 and minor == 0
 
 
+def flight_recorder_preset(dump_dir: str) -> dict[str, str]:
+    """NCCL's flight recorder, as torchtitan configures it: the last 20,000 collectives of
+    each rank kept in memory and written to ``dump_dir/rank_<r>`` when the watchdog sees a
+    timeout, so a hang can be traced to the collective and ranks that did not arrive."""
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(dump_dir) / "rank_"),
+    }
+
+
 class CudaBackend(AcceleratorBackend):
     name = "cuda"
     dist_backend = "nccl"
     device_type = "cuda"
     visible_devices_variable = "CUDA_VISIBLE_DEVICES"
+
+    def record_collectives(self, dump_dir: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+        environ = os.environ if environ is None else environ
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        applied, _ = apply_env_preset(flight_recorder_preset(dump_dir), environ)
+        return applied
     compile_cache_variables = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
     def require_runtime(self) -> None:
