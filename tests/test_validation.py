@@ -11,6 +11,7 @@ import torch
 from distributed import run_distributed
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
+from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
 from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
@@ -109,3 +110,54 @@ def test_fp16_on_a_cpu_is_refused_within_seconds_naming_bf16(capsys):
     message = capsys.readouterr().err.strip().splitlines()
     assert len(message) == 1 and "--bf16" in message[0] and "slower than fp32" in message[0], message
     assert time.monotonic() - started < 10
+
+
+def saved_run(data: str, save_dir, extra=()) -> list[str]:
+    args = [a for a in common_args(data, str(save_dir)) if a != "--no-save"]
+    return args + ["--batch-size", "4", "--disable-validation", *extra]
+
+
+def test_restore_file_and_the_reset_flags_keep_fairseqs_meaning(data_dir, tmp_path):
+    first = tmp_path / "first"
+    assert main(saved_run(data_dir, first, ["--max-update", "4", "--save-interval-updates", "2"])) == 0
+    assert (first / "checkpoint_2").is_dir() and (first / "checkpoint_4").is_dir()
+    saved = CheckpointReader(first / "checkpoint_2")
+    weights = dict(saved.model_tensors())
+
+    def resumed(name: str, *flags: str) -> Trainer:
+        return Trainer(parse_args(saved_run(data_dir, tmp_path / name,
+                                            ["--restore-file", str(first / "checkpoint_2"), *flags])))
+
+    plain = resumed("plain")
+    assert plain.resumed_at == 2 and plain.consumed_samples == 2 * 4
+    fresh_optimizer = resumed("reset_optimizer", "--reset-optimizer")
+    assert fresh_optimizer.num_updates == 0 and not fresh_optimizer.optimizer.state
+    for name, param in fresh_optimizer.model.named_parameters():
+        assert torch.equal(param.detach(), weights[name]), name  # the weights are still the checkpoint's
+    restarted = resumed("reset_lr", "--reset-lr-scheduler")
+    assert restarted.num_updates == 2 and restarted.progress.lr_schedule_start == 2
+    record = restarted.train_step(next(restarted.update_batches()))
+    assert record["lr"] == pytest.approx(restarted.schedule.lr_at(1), rel=1e-6)  # warmup begins again
+    assert resumed("reset_data", "--reset-dataloader").consumed_samples == 0
+    with pytest.raises(UsageError, match="--restore-file .*: no checkpoint there"):
+        Trainer(parse_args(saved_run(data_dir, tmp_path / "x", ["--restore-file", str(tmp_path / "nothing")])))
+
+
+def test_finetune_from_model_takes_weights_only_and_yields_to_a_resume(data_dir, tmp_path):
+    source = tmp_path / "source"
+    assert main(saved_run(data_dir, source, ["--max-update", "2"])) == 0
+    target = tmp_path / "target"
+    args = saved_run(data_dir, target, ["--finetune-from-model", str(source / "checkpoint_last"), "--max-update", "3"])
+    trainer = Trainer(parse_args(args))
+    assert trainer.num_updates == 0 and trainer.consumed_samples == 0 and not trainer.optimizer.state
+    for name, value in CheckpointReader(source).model_tensors():
+        assert torch.equal(dict(trainer.model.named_parameters())[name].detach(), value), name
+    trainer.fit()
+    # With a checkpoint of its own in --save-dir, the same command resumes that instead.
+    assert Trainer(parse_args(args)).resumed_at == 3
+
+
+def test_no_last_checkpoints_writes_only_the_numbered_ones(data_dir, tmp_path):
+    assert main(saved_run(data_dir, tmp_path, ["--max-update", "2", "--save-interval-updates", "2",
+                                               "--no-last-checkpoints"])) == 0
+    assert (tmp_path / "checkpoint_2").is_dir() and not (tmp_path / "checkpoint_last").exists()
