@@ -1,7 +1,7 @@
 """Single-device models.
 
 Parallelism is applied from outside (distlm.parallel), guided by each model class's
-``tp_plan``; nothing here imports torch.distributed (convention 1 in DESIGN.md).
+``tp_plan``; nothing here imports torch's distributed package.
 ``distlm.models.hf`` converts configs and weights to and from Hugging Face's models.
 """
 

@@ -20,8 +20,9 @@ masked positions only; every model maps ``input_ids [B, T]`` to logits ``[B, T, 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from distlm.choices import TASKS
@@ -46,6 +47,34 @@ class LanguageModel(Protocol):
     def padding_idx(self) -> int: ...
 
     def init_weights(self) -> None: ...
+
+
+class TransformerLM(nn.Module):
+    """What distlm's own models share: blocks in ``self.layers``, the padding id in their
+    config, and construction on the meta device.
+
+    Subclasses build their modules inside ``with torch.device("meta")`` and then call
+    ``materialise_unless_meta(device)``, so the torch RNG is consumed by ``init_weights``
+    alone, the same way whether the model is built on a device or on meta and
+    materialised later.
+    """
+
+    config: Any
+    layers: nn.ModuleList
+
+    @property
+    def padding_idx(self) -> int:
+        return self.config.padding_idx
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks: the unit of FSDP sharding, activation checkpointing and compile."""
+        return self.layers
+
+    def materialise_unless_meta(self, device: torch.device) -> None:
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
 
 
 def check_model(model: object) -> None:

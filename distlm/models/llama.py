@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm.errors import UsageError
+from distlm.models.contract import TransformerLM
 
 # Rotary frequency scalings distlm implements (Hugging Face's rope_type names).
 ROPE_TYPES = ("default", "llama3")
@@ -235,7 +236,7 @@ class LlamaBlock(nn.Module):
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
-class LlamaCausalLM(nn.Module):
+class LlamaCausalLM(TransformerLM):
     task = "causal_lm"
 
     # Tensor-parallel split plan, consumed by distlm.parallel (models never import
@@ -288,9 +289,6 @@ class LlamaCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.tp_plan = self.tied_tp_plan
         target_device = torch.get_default_device()
-        # Modules are created on meta and initialised only by init_weights(), so the
-        # torch RNG is consumed the same way whether the model is built directly on
-        # a device or on meta and materialised later.
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
@@ -308,22 +306,11 @@ class LlamaCausalLM(nn.Module):
             self.register_buffer(
                 "rope_sin", torch.empty(config.max_seq_len, half, dtype=torch.float32), persistent=False
             )
-        if target_device.type != "meta":
-            self.to_empty(device=target_device)
-            self.init_weights()
+        self.materialise_unless_meta(target_device)
 
     @property
     def max_positions(self) -> int:
         return self.config.max_seq_len
-
-    @property
-    def padding_idx(self) -> int:
-        return self.config.padding_idx
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        """The transformer blocks: the unit of FSDP sharding, activation checkpointing and compile."""
-        return self.layers
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm.errors import UsageError
+from distlm.models.contract import TransformerLM
 
 
 @dataclass
@@ -127,7 +128,7 @@ class RobertaLMHead(nn.Module):
         return F.linear(x, output_weight, self.bias)
 
 
-class RobertaMaskedLM(nn.Module):
+class RobertaMaskedLM(TransformerLM):
     task = "masked_lm"
 
     # Tensor-parallel split plan, consumed by distlm.parallel (models never import
@@ -157,9 +158,6 @@ class RobertaMaskedLM(nn.Module):
         config.validate()
         self.config = config
         target_device = torch.get_default_device()
-        # Modules are created on meta and initialised only by init_weights(), so the
-        # torch RNG is consumed the same way whether the model is built directly on
-        # a device or on meta and materialised later.
         with torch.device("meta"):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, config.padding_idx)
             self.embed_positions = nn.Embedding(
@@ -169,22 +167,11 @@ class RobertaMaskedLM(nn.Module):
             self.dropout = nn.Dropout(config.dropout)
             self.layers = nn.ModuleList(RobertaEncoderLayer(config) for _ in range(config.n_layers))
             self.lm_head = RobertaLMHead(config)
-        if target_device.type != "meta":
-            self.to_empty(device=target_device)
-            self.init_weights()
+        self.materialise_unless_meta(target_device)
 
     @property
     def max_positions(self) -> int:
         return self.config.max_positions
-
-    @property
-    def padding_idx(self) -> int:
-        return self.config.padding_idx
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        """The transformer blocks: the unit of FSDP sharding, activation checkpointing and compile."""
-        return self.layers
 
     @torch.no_grad()
     def init_weights(self) -> None:
