@@ -236,6 +236,22 @@ class LlamaBlock(nn.Module):
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
+# How each block splits over tensor-parallel ranks; "*" stands for the layer index.
+_BLOCK_TP_PLAN: dict[str, str] = {
+    "layers.*.attention_norm": "sequence_norm",
+    "layers.*.attention": "sequence_gather",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "sequence_norm",
+    "layers.*.feed_forward": "sequence_gather",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+}
+
+
 class LlamaCausalLM(TransformerLM):
     task = "causal_lm"
 
@@ -245,17 +261,7 @@ class LlamaCausalLM(TransformerLM):
     # sequence shards, and attention / feed-forward gather their input once.
     tp_plan: dict[str, str] = {
         "tok_embeddings": "vocab_embedding",
-        "layers.*.attention_norm": "sequence_norm",
-        "layers.*.attention": "sequence_gather",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
-        "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "sequence_norm",
-        "layers.*.feed_forward": "sequence_gather",
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
+        **_BLOCK_TP_PLAN,
         "norm": "sequence_norm",
         "output": "colwise_output",
     }
@@ -265,20 +271,7 @@ class LlamaCausalLM(TransformerLM):
     # parallel); under sequence parallel the blocks form one sequence region (split
     # before the first, gathered after the last) and the final norm sees the whole
     # sequence. A tied model carries this plan as its instance's tp_plan.
-    tied_tp_plan: dict[str, str] = {
-        "layers": "sequence_region",
-        "layers.*.attention_norm": "sequence_norm",
-        "layers.*.attention": "sequence_gather",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
-        "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "sequence_norm",
-        "layers.*.feed_forward": "sequence_gather",
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
-    }
+    tied_tp_plan: dict[str, str] = {"layers": "sequence_region", **_BLOCK_TP_PLAN}
     # Config fields (or properties) the tensor-parallel degree must divide.
     tp_divisible: tuple[str, ...] = ("n_heads", "kv_heads", "ffn_hidden_dim")
 
