@@ -3,7 +3,8 @@
 All blocks of a model share one graph (same code, same shapes), so the compiler runs
 once per distinct graph, not once per layer, and the result composes with what is
 applied around the blocks: tensor parallel inside them, activation checkpointing
-around them, FSDP and DDP outside. ``Module.compile`` compiles in place, so parameter
+around them (outside the compiled region: inside it, torch 2.13 cannot save a tensor
+parallel block's DeviceMesh for backward), FSDP and DDP outside. ``Module.compile`` compiles in place, so parameter
 names, checkpoints and exports stay those of the single-device model.
 
 ``--compile-cache DIR`` points the compiler's artefact cache at a directory that other
@@ -43,14 +44,15 @@ def apply_compile(model: nn.Module, backend: str) -> None:
 
 def use_compile_cache(directory: str, variables: Mapping[str, str]) -> None:
     """Point the compiler caches at ``directory`` through the backend's ``variables``
-    (variable -> sub-directory), leaving any the user has set."""
+    (variable -> sub-directory). The flag wins over a variable already set: torch sets
+    ``TORCHINDUCTOR_CACHE_DIR`` to its default itself the first time it asks."""
     root = Path(directory)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"--compile-cache {directory} cannot be created ({err.strerror or err})") from None
     for variable, sub in variables.items():
-        os.environ.setdefault(variable, str(root / sub))
+        os.environ[variable] = str(root / sub)
 
 
 class CompileReport:

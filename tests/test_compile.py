@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,10 +33,13 @@ def eager_and_compiled(layouts: list[list[str]], cache: str) -> list[tuple[dict,
 
 def test_compiled_blocks_train_like_eager_under_every_layout(data_dir, tmp_path, compile_cache):
     args = common_args(data_dir, str(tmp_path), "llama_tiny") + ["--batch-size", "4"]
-    layouts = [args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"]]
+    # DDP through a Python communication hook (two simulated nodes of one rank), FSDP,
+    # and tensor parallel with activation checkpointing around the compiled blocks.
+    layouts = [args + ["--comm-hook", "hierarchical", "--ranks-per-node", "1"], args + ["--strategy", "fsdp"],
+               args + ["--tp-degree", "2", "--activation-checkpointing"]]
     ranks = run_distributed(eager_and_compiled, 2, layouts, compile_cache, timeout=600)
     for rank in ranks:
-        for (eager, compiled), layout in zip(rank, ["ddp", "fsdp", "ddp x tp2"]):
+        for (eager, compiled), layout in zip(rank, ["ddp + hook", "fsdp", "ddp x tp2 + checkpointing"]):
             assert compiled["initial"].keys() == eager["initial"].keys(), layout  # names unchanged by compile
             assert_params_close(compiled["params"], eager["params"], PARAM_ATOL)
             np.testing.assert_allclose(compiled["gnorms"], eager["gnorms"], rtol=1e-5, err_msg=layout)
@@ -52,3 +56,4 @@ def test_second_run_takes_its_graphs_from_the_cache(data_dir, tmp_path, compile_
         assert done.returncode == 0, done.stderr
         lines.append(next(line for line in done.stderr.splitlines() if "first update with compilation" in line))
     assert "0 graphs compiled" in lines[1] and "0 taken from the compile cache" not in lines[1], lines
+    assert any((Path(compile_cache) / "inductor").rglob("*.py")), "the artefacts are in --compile-cache"

@@ -1,7 +1,7 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
-The order is: tensor parallel, then activation checkpointing, then compilation of each
-block, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
+The order is: tensor parallel, then compilation of each block, then activation
+checkpointing around the compiled blocks, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
 code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
 under tensor parallel) plus a sharded optimizer, which the returned handle builds.
@@ -74,10 +74,10 @@ def parallelize(
     mesh = dims.build_mesh(device.type)
     if dims.tp_enabled:
         model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model)
     if options.compile_backend is not None:
         apply_compile(model, options.compile_backend)
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model)
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
