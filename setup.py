@@ -16,6 +16,9 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "bench": ["matplotlib"],
         "hf": ["transformers>=4.40", "tokenizers"],
+        # Tests only: tests/test_examples.py loads examples/parallelcluster/*.yaml through
+        # aws-parallelcluster's own schema. It brings the AWS CDK (about 100 packages, 160 MB).
+        "cluster": ["aws-parallelcluster>=3.16"],
     },
     entry_points={"console_scripts": ["distlm-train=distlm.train:run"]},
 )
