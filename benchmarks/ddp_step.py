@@ -1,13 +1,15 @@
 """distlm's DDP step time against a hand-written raw torch DDP loop, interleaved.
 
     torchrun --nproc_per_node 2 benchmarks/ddp_step.py [--rounds 12 --steps 5]
+    torchrun --nproc_per_node 2 benchmarks/ddp_step.py --compile --bf16   # adds distlm with each
     mpiexec -n 2 python benchmarks/ddp_step.py --mpi     # adds distlm with --comm-transport mpi
 
-Both loops train the same model from the same weights on the same pre-collated
+The loops train the same model from the same weights on the same pre-collated
 batches, so the difference is what distlm adds per update (global token count,
-unscale/clip/finite check, schedule, bookkeeping). This machine is noisy, so the two
-alternate round by round (the order flips every round) and the report gives medians
-and the median of the per-round ratios. Prints one JSON object (rank 0).
+unscale/clip/finite check, schedule, bookkeeping), or what --compile and --bf16 change.
+This machine is noisy, so the contenders alternate round by round (the order rotates
+every round) and the report gives medians and the median of the per-round ratios
+against distlm's eager fp32 update. Prints one JSON object (rank 0).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from distlm.builder import parallel_options
 from distlm.config import parse_args
 from distlm.models import build_model
-from distlm.optim import build_optimizer
-from distlm.parallel.api import build_comm_hook, parallelize, unwrap
+from distlm.optim import AdamWSettings
+from distlm.parallel.api import parallelize
+from distlm.parallel.names import unwrap
 from distlm.train import exit_without_teardown
 from distlm.trainer import Trainer
 
@@ -62,19 +66,31 @@ def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float):
 
 def mpi_transport_step(trainer: Trainer):
     """distlm's own update on a second DDP replica of the model whose buckets go through mpi4py."""
-    mpi_cfg = dataclasses.replace(trainer.config.distributed, comm_transport="mpi")
-    hook = build_comm_hook(mpi_cfg, trainer.dims, trainer.env.local_world_size, trainer.device.type)
-    model = parallelize(copy.deepcopy(unwrap(trainer.model)), trainer.dims, mpi_cfg, trainer.device, hook)
-    optimizer = build_optimizer(model.parameters(), trainer.config.optim, torch.float32)
+    options = dataclasses.replace(parallel_options(trainer.config, trainer.ctx), comm_transport="mpi")
+    model, handle = parallelize(copy.deepcopy(unwrap(trainer.model)), trainer.ctx.dims, trainer.ctx.device, options)
+    optimizer = handle.build_optimizer(AdamWSettings.from_config(trainer.config.optim), torch.float32)
 
     def step(micro_batches):
         # The same Trainer.train_step, pointed at the MPI replica for the duration of one update.
-        saved = trainer.model, trainer.optimizer
-        trainer.model, trainer.optimizer = model, optimizer
+        saved = trainer.model, trainer.handle, trainer.optimizer
+        trainer.model, trainer.handle, trainer.optimizer = model, handle, optimizer
         try:
             trainer.train_step(micro_batches)
         finally:
-            trainer.model, trainer.optimizer = saved
+            trainer.model, trainer.handle, trainer.optimizer = saved
+
+    return step
+
+
+def variant_step(trainer: Trainer, steps: int):
+    """A Trainer of another setting, stepping through its own copy of the same batches
+    (a compiled run pads them to one length, so it needs its own)."""
+    loader = trainer.update_batches()
+    own = [next(loader) for _ in range(steps)]
+    calls = iter(range(1 << 62))
+
+    def step(_batch):
+        trainer.train_step(own[next(calls) % len(own)])
 
     return step
 
@@ -97,14 +113,16 @@ def main() -> None:
     parser.add_argument("--tokens-per-sample", type=int, default=128)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--mpi", action="store_true", help="under mpiexec: also time distlm's update with --comm-transport mpi")
+    parser.add_argument("--compile", action="store_true", help="also time distlm's update with --compile")
+    parser.add_argument("--bf16", action="store_true", help="also time distlm's update with --bf16")
     args = parser.parse_args()
 
-    config = parse_args([
+    flags = [
         "--arch", args.arch, "--batch-size", str(args.batch_size), "--tokens-per-sample", str(args.tokens_per_sample),
         "--bucket-cap-mb", str(args.bucket_cap_mb), "--dropout", "0", "--attention-dropout", "0",
-        "--no-save", "--device", "cpu", "--max-update", "1000000",
-    ])
-    trainer = Trainer(config)
+        "--no-save", "--device", "cpu", "--max-update", "1000000", "--disable-validation",
+    ]
+    trainer = Trainer(parse_args(flags))
     raw_step = raw_ddp_loop(trainer, args.bucket_cap_mb)
     loader = trainer.update_batches()
     batches = [next(loader) for _ in range(args.steps)]
@@ -116,13 +134,16 @@ def main() -> None:
     contenders = {"distlm": trainer.train_step, "raw": raw_step}
     if args.mpi:
         contenders["distlm_mpi"] = mpi_transport_step(trainer)
-        timed(contenders["distlm_mpi"], batches, 2)
+    for name, extra in (("distlm_compile", ["--compile"]), ("distlm_bf16", ["--bf16"])):
+        if getattr(args, name.removeprefix("distlm_")):
+            contenders[name] = variant_step(Trainer(parse_args(flags + extra)), args.steps)
+    for name in list(contenders)[2:]:
+        timed(contenders[name], batches, 2)  # warm-up: compilation happens here
     times = {name: [] for name in contenders}
     for round_index in range(args.rounds):
         order = list(contenders.items())
-        if round_index % 2:
-            order.reverse()
-        for name, step in order:
+        shift = round_index % len(order)
+        for name, step in order[shift:] + order[:shift]:
             times[name].append(timed(step, batches, args.steps))
     distlm_times, raw_times = times["distlm"], times["raw"]
 
@@ -136,6 +157,14 @@ def main() -> None:
                 "mpi_over_gloo_median_of_round_ratios": round(
                     statistics.median(m / g for m, g in zip(times["distlm_mpi"], distlm_times)), 4),
             }
+        variants = {
+            f"{name}_over_eager_fp32_{kind}": round(value, 4)
+            for name in times if name.startswith("distlm_") and name != "distlm_mpi"
+            for kind, value in (
+                ("ratio_of_medians", statistics.median(times[name]) / statistics.median(distlm_times)),
+                ("median_of_round_ratios", statistics.median(v / d for v, d in zip(times[name], distlm_times))),
+            )
+        }
         print(json.dumps({
             "benchmark": "ddp_step",
             "world_size": dist.get_world_size(),
@@ -150,6 +179,7 @@ def main() -> None:
             "ratio_of_medians": round(statistics.median(distlm_times) / statistics.median(raw_times), 4),
             "median_of_round_ratios": round(statistics.median(ratios), 4),
             **transport,
+            **variants,
         }, indent=2))
     dist.destroy_process_group()
 

@@ -147,8 +147,13 @@ class Validator:
         return improved
 
     def out_of_patience(self, progress: TrainProgress) -> bool:
+        """True (and rank 0 says so) after --patience validations without improvement."""
         patience = self.config.checkpoint.patience
-        return patience > 0 and progress.validations_without_improvement >= patience
+        stop = patience > 0 and progress.validations_without_improvement >= patience
+        if stop and self.ctx.is_main:
+            logger.info("early stop: validation %s has not improved for the last %d validations (--patience)",
+                        self.metric, patience)
+        return stop
 
     def log_records(self, results: list[ValidationResult], progress: TrainProgress) -> list[dict[str, Any]]:
         return [

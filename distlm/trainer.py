@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from distlm.builder import build_model_for_run, log_start, parallel_options, resolve_model_spec, training_data
-from distlm.checkpoint import BEST, LAST, Checkpointer, TrainProgress
+from distlm.checkpoint import BEST, Checkpointer, TrainProgress
 from distlm.compile import CompileReport, precompile, use_compile_cache
 from distlm.config import TrainConfig
 from distlm.data import GlobalBatchSampler
@@ -153,7 +152,7 @@ class Trainer:
                  "mfu": round(stats.run_mfu(self.progress.train_wall), 5),
                  "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
         printer.log(final, kind="summary")
-        self._say_where_the_model_is()
+        self.checkpointer.announce_last()
         self.ctx.close()
         return final
 
@@ -173,9 +172,6 @@ class Trainer:
             for line in self.validator.log_records(results, self.progress):
                 printer.log(line, kind="valid")
             stop = self.validator.out_of_patience(self.progress)
-            if stop and self.ctx.is_main:
-                logger.info("early stop: validation %s has not improved for the last %d validations (--patience)",
-                            self.validator.metric, self.config.checkpoint.patience)
         names = self.checkpointer.due(self.progress.num_updates, end_of_epoch, done or stop)
         self.save_checkpoint(names + ([BEST] if improved and self.checkpointer.enabled else []))
         return stop
@@ -191,12 +187,6 @@ class Trainer:
         self.checkpointer.save(names, self.progress, self.model, self.optimizer, self.precision.scaler,
                                describe_run(self.config, self.data, self.model, self.spec),
                                tokenizer_writer(self.data, self.task))
-
-    def _say_where_the_model_is(self) -> None:
-        last = Path(self.config.checkpoint.save_dir) / LAST
-        if self.ctx.is_main and self.checkpointer.enabled and last.is_dir():
-            logger.info("last checkpoint: %s; export it with: python -m distlm.export --checkpoint %s --hf OUT_DIR",
-                        last, last)
 
     def _done(self) -> bool:
         cfg = self.config.optim

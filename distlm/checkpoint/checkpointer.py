@@ -180,6 +180,13 @@ class Checkpointer:
         meta = legacy.read_meta(path) if legacy.is_legacy(path) else _read_meta(path)
         return Resume(path, meta, weights_only=True)
 
+    def announce_last(self) -> None:
+        """Rank 0 says where the last checkpoint is and how to export it."""
+        last = self.save_dir / directory.LAST
+        if self.ctx.is_main and self.enabled and last.is_dir():
+            logger.info("last checkpoint: %s; export it with: python -m distlm.export --checkpoint %s --hf OUT_DIR",
+                        last, last)
+
     # ------------------------------------------------------------------- load
 
     def load(self, resume: Resume, model: nn.Module, optimizer: torch.optim.Optimizer, scaler, seed: int) -> TrainProgress:
