@@ -6,7 +6,7 @@ setup(
     description="Distributed training of masked and causal language models on PyTorch",
     packages=find_packages(include=["distlm", "distlm.*"]),
     package_data={"distlm.plan": ["profiles/*.toml"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # tomllib
     # torch>=2.6 rather than a pin: Neuron's torch-xla stacks pin their own torch
     # (torch-xla 2.9 needs torch 2.9). CPU installs pin torch==2.13.0 on the command
     # line (see README), because an unpinned torch resolves to a multi-GB CUDA build.

@@ -52,6 +52,8 @@ class ModelSpec:
     """The model's config; ``vocab_size`` 0 means "from the data"."""
     hf_dir: Path | None = None
     hf_tokens: SpecialTokens | None = None
+    hf_config: dict[str, Any] | None = None
+    """The Hugging Face ``config.json`` the model comes from, as read."""
 
     @property
     def task(self) -> str:
@@ -91,8 +93,9 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
     directory = Path(settings.init_from_hf)
     if not (directory / io.CONFIG_NAME).is_file():
         raise UsageError(f"--init-from-hf {directory}: no {io.CONFIG_NAME} there; name a Hugging Face model directory")
-    adapter = adapter_for_hf(io.read_config(directory))
-    config, tokens = adapter.config_from_hf(io.read_config(directory))
+    hf_config = io.read_config(directory)
+    adapter = adapter_for_hf(hf_config)
+    config, tokens = adapter.config_from_hf(hf_config)
     family = FAMILIES[adapter.MODEL_CLASS]
     overrides = arch_overrides(settings, family)
     sized = sorted(set(overrides) & set(_SIZE_FIELDS + ("max_positions", "max_seq_len")))
@@ -104,7 +107,7 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
     config = _replace(config, overrides, f"--init-from-hf {directory}")
     if settings.arch is not None:
         _check_arch_agrees(settings.arch, adapter.MODEL_CLASS, config, directory)
-    return ModelSpec(settings.arch or f"hf_{family}", adapter.MODEL_CLASS, config, directory, tokens)
+    return ModelSpec(settings.arch or f"hf_{family}", adapter.MODEL_CLASS, config, directory, tokens, hf_config)
 
 
 def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
@@ -139,8 +142,6 @@ def _check_arch_agrees(arch: str, model_class: type, config: Any, directory: Pat
 class ModelBuild:
     model: nn.Module
     """Initialised on the training device, or still on meta when one of the fillers below is set."""
-    name: str
-    """What checkpoints record as the arch: ``--arch``, ``hf_<model_type>`` or the user's model class."""
     whole_model: Callable[[], nn.Module] | None = None
     """Rank 0's whole initialised copy on the host, to fill the shards of a meta model."""
     fill_shards: Callable[[nn.Module], None] | None = None
@@ -161,21 +162,21 @@ def build_model_for_run(
     """``load_hf_weights=False`` (a resumed run) builds a Hugging Face model without reading its weights."""
     if user_model is not None:
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
-        return ModelBuild(model.to(device=device, dtype=param_dtype), type(user_model).__name__)
+        return ModelBuild(model.to(device=device, dtype=param_dtype))
     model = spec.build(vocab_size, padding_idx)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
     from_hf = spec.hf_dir is not None and load_hf_weights
     if not sharded:
         model = _from_hf(model, spec, device, param_dtype) if from_hf else _initialised(model, device, param_dtype, seed)
-        return ModelBuild(model, spec.name)
+        return ModelBuild(model)
     model = model.to(dtype=param_dtype)  # still meta: no memory yet
     if from_hf:
-        return ModelBuild(model, spec.name, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec, device))
+        return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec, device))
 
     def whole_model() -> nn.Module:
         return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
 
-    return ModelBuild(model, spec.name, whole_model=whole_model)
+    return ModelBuild(model, whole_model=whole_model)
 
 
 def _initialised(model: nn.Module, device: torch.device, param_dtype: torch.dtype, seed: int) -> nn.Module:
@@ -201,9 +202,9 @@ def _fill_shards_from_hf(model: nn.Module, spec: ModelSpec, device: torch.device
     (the q/k permutation and RoBERTa's folded token types need the whole tensor).
     Vocabulary rows beyond the data's dictionary are the model's own, as published.
     """
-    if any(p.is_meta for p in model.parameters()):
+    if _is_meta(model):
         model.to_empty(device=device)
-    adapter = adapter_for_hf(io.read_config(spec.hf_dir))
+    adapter = adapter_for_hf(spec.hf_config)
     config = spec.config
     with io.SafetensorsWeights(spec.hf_dir) as weights:
         fetch = _checked_fetch(weights, spec.hf_dir)

@@ -73,13 +73,6 @@ class CompileReport:
         return line
 
 
-def compiled_graph_counts() -> dict[str, int]:
-    """Inductor's graph-cache hits and misses in this process so far."""
-    now = counters["inductor"]
-    return {"hits": now.get("fxgraph_cache_hit", 0), "misses": now.get("fxgraph_cache_miss", 0)}
-
-
-
 def precompile(trainer) -> str:
     """Run every graph a run needs once, so the compile cache holds them all: the training
     update (double buffering's first update is another), and one validation batch. The

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from distlm.backends import Backend, get_backend
 from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
-from distlm.heartbeat import Heartbeat, describe_missing
+from distlm.heartbeat import Heartbeat, current_heartbeat, describe_missing, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
 from distlm.validation import validate
 
@@ -105,7 +105,7 @@ class DistContext:
         if self.is_distributed:
             dist.barrier()
 
-    def all_ranks_agree(self, flag: bool) -> bool:
+    def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (collective over the world)."""
         if not self.is_distributed:
             return flag
@@ -148,9 +148,6 @@ class DistContext:
         it for the command line.
         """
         self.barrier()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
-            self.heartbeat = None
 
 
 def init_distributed(config, model: torch.nn.Module | None = None) -> DistContext:
@@ -176,12 +173,13 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     # Before the process group starts: NCCL reads these when its communicators are made.
     backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
     timeout = datetime.timedelta(seconds=settings.timeout_sec)
+    heartbeat = current_heartbeat()
     if env.is_distributed and not dist.is_initialized():
         backend.init_process_group(env, timeout)
+        heartbeat = _start_heartbeat(env, timeout)
     # After the process group: a PJRT device learns its place in the job from it.
     device = backend.device(env)
-    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout,
-                          heartbeat=_start_heartbeat(env, timeout))
+    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat)
     if context.is_main:
         logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
                     env.describe(), device, dims.dp, dims.tp, dims.strategy)
@@ -195,9 +193,16 @@ def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat 
         return None
     interval = min(2.0, max(0.1, timeout.total_seconds() / 10))
     try:
-        return Heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
-                         restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return start_heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
+                               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except (RuntimeError, dist.DistStoreError) as err:
         logger.warning("rank %d: no heartbeat side channel (%s); a hung collective will not name its ranks",
                        env.rank, err)
         return None
+
+
+def shutdown() -> None:
+    """End this process's part of the job: the heartbeat, then the process group."""
+    stop_heartbeat()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,8 +1,8 @@
 """Stopping a run that has diverged, and saying where.
 
 Without a loss scaler (fp32, bf16) a non-finite gradient norm cannot recover by itself:
-the run stops at once, naming the first parameter, in forward order, whose gradient is
-non-finite. With fp16 an overflow is skipped and the loss scale halves; when the scale
+the run stops at once, naming the first parameter whose gradient is non-finite, in the
+order the model registers them (which follows forward for distlm's models). With fp16 an overflow is skipped and the loss scale halves; when the scale
 falls below ``--min-loss-scale`` or ``--fp16-max-skips`` updates in a row overflowed,
 the failing batch is run once more with a hook on every module (as fairseq's
 NanDetector does) to name the first module whose output or gradient became non-finite.
@@ -35,7 +35,7 @@ def _finite(tensor: torch.Tensor) -> bool:
 
 
 def first_nonfinite_gradient(model: nn.Module, group: dist.ProcessGroup | None = None) -> str | None:
-    """The single-device name of the first parameter (in forward order) whose gradient is
+    """The single-device name of the first parameter (in registration order) whose gradient is
     non-finite on any rank, or None (collective over ``group`` when one is given)."""
     params = list(model.parameters())
     first = next((i for i, p in enumerate(params) if p.grad is not None and not _finite(p.grad)), len(params))

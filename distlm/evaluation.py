@@ -71,6 +71,7 @@ class Validator:
         self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
             compute_loss, loss_context, local_loss, autocast)
         self.enabled = bool(subsets)
+        self._validated_at: int | None = None
         self.batch_size = config.data.batch_size_valid or config.data.batch_size
         self.metric = config.checkpoint.best_checkpoint_metric
         self.maximize = config.checkpoint.maximize_best_checkpoint_metric
@@ -80,8 +81,8 @@ class Validator:
     def due(self, num_updates: int, end_of_epoch: int | None, done: bool) -> bool:
         """fairseq's rule: at the end of every --validate-interval epochs, every
         --validate-interval-updates updates, and when training stops."""
-        if not self.enabled:
-            return False
+        if not self.enabled or num_updates == self._validated_at:
+            return False  # an epoch that ended on a skipped update was validated at this update already
         settings = self.config.data
         every_updates = settings.validate_interval_updates
         return (
@@ -116,8 +117,11 @@ class Validator:
             batch = dict(data.collate([(0, int(i)) for i in (indices if len(indices) else [0])]))
             if not len(indices):
                 batch["targets"] = torch.full_like(batch["targets"], IGNORE_INDEX)
+                batch.pop("ntokens", None)  # counted from the (ignored) targets instead: none
             pad = data.dictionary.pad()
-            batch = to_device(with_host_facts(padded_to(batch, self.pad_to, pad), pad), self.ctx.device)
+            # Under compile or XLA every batch has one shape: the last, short batches too.
+            rows = self.batch_size if self.pad_to is not None else None
+            batch = to_device(with_host_facts(padded_to(batch, self.pad_to, pad, rows), pad), self.ctx.device)
             with self.loss_context(), self.autocast():
                 loss = self.compute_loss(batch)
             sums[0] += self.local_loss(loss.detach()).double()
@@ -137,6 +141,7 @@ class Validator:
 
     def record(self, results: list[ValidationResult], progress: TrainProgress) -> bool:
         """Update the best value and the patience count from the first subset; True if it improved."""
+        self._validated_at = progress.num_updates
         value = self.value(results[0])
         improved = self.is_better(value, progress.best)
         if improved:

@@ -19,6 +19,10 @@ import torch.distributed as dist
 
 _PREFIX = "distlm/heartbeat"
 
+# The side channel of the default process group, of which a process has one: runs that
+# reuse the group (several Trainers in one process) share its heartbeat.
+_running: "Heartbeat | None" = None
+
 
 @dataclass(frozen=True)
 class RankState:
@@ -59,7 +63,8 @@ class Heartbeat:
 
     def _read(self) -> dict[int, tuple[int, int, int]]:
         keys = [str(rank) for rank in range(self.world_size)]
-        present = [key for key in keys if self.store.check([key])]
+        # One round trip when every rank has beaten at least once, as they do on start.
+        present = keys if self.store.check(keys) else [key for key in keys if self.store.check([key])]
         values = self.store.multi_get(present) if present else []
         return {int(key): tuple(int(x) for x in value.decode().split()) for key, value in zip(present, values)}
 
@@ -83,10 +88,31 @@ class Heartbeat:
         self._thread.join(timeout=2 * self.interval + 1)
 
 
+def start_heartbeat(master_addr: str, master_port: int, rank: int, world_size: int, interval: float,
+                    restart: str = "0") -> Heartbeat:
+    """The heartbeat of a process group just started; it replaces a previous group's."""
+    global _running
+    stop_heartbeat()
+    _running = Heartbeat(master_addr, master_port, rank, world_size, interval, restart)
+    return _running
+
+
+def current_heartbeat() -> Heartbeat | None:
+    """The heartbeat of the process group in use, if distlm started it."""
+    return _running
+
+
+def stop_heartbeat() -> None:
+    global _running
+    if _running is not None:
+        _running.close()
+        _running = None
+
+
 def describe_missing(states: list[RankState] | None, update: int, me: int) -> str:
     """Which ranks update ``update``'s collective waits for, in words."""
     if states is None:
-        return "the rendezvous store does not answer, so its host (rank 0 or the launcher) stopped or died"
+        return "the ranks cannot be asked (no heartbeat, or its store's host, rank 0 or the launcher, is gone)"
     silent = [s for s in states if not s.beating and s.rank != me]
     behind = [s for s in states if s.beating and s.entered < update and s.rank != me]
     parts = []

@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from distlm.errors import UsageError
 from distlm.plan.flops import flops_per_token, measure_cpu_matmul_flops, peak_flops
@@ -37,6 +38,7 @@ class TrainStats:
         self.device = torch.device(device)
         self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
         self.run_input_tokens = 0.0
+        self.run_seconds = 0.0
         self._start_interval()
 
     def _start_interval(self) -> None:
@@ -59,6 +61,7 @@ class TrainStats:
         elapsed = time.perf_counter() - self.started
         values = dict(zip(self.FIELDS, sums.tolist()))
         self.run_input_tokens += values["input_tokens"]
+        self.run_seconds += elapsed
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
         tokens_per_s = values["input_tokens"] / elapsed
         return {
@@ -77,9 +80,9 @@ class TrainStats:
             return 0.0
         return tokens_per_s * self.flops_per_token / (self.peak_flops_per_device * self.devices)
 
-    def run_mfu(self, train_wall: float) -> float:
-        """The MFU of the whole run so far, from the tokens of every logged interval."""
-        return self.mfu(self.run_input_tokens / train_wall) if train_wall > 0 else 0.0
+    def run_mfu(self) -> float:
+        """The MFU of this run so far (this process's, not a resumed run's past), from every logged interval."""
+        return self.mfu(self.run_input_tokens / self.run_seconds) if self.run_seconds > 0 else 0.0
 
     def reset(self) -> None:
         self._start_interval()
@@ -129,8 +132,6 @@ class Printer:
         self.format = log_format or ("tqdm" if sys.stdout.isatty() else "json")
         self.bar = None
         if enabled and self.format == "tqdm":
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, unit="upd", dynamic_ncols=True)
 
     def progress(self, n: int = 1) -> None:

@@ -10,7 +10,6 @@ fp16 modes share the small scaler below, with fairseq's semantics.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -103,8 +102,3 @@ class Precision:
             return
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
             yield
-
-
-def grads_are_finite(total_norm: torch.Tensor) -> bool:
-    """The global gradient norm is inf/nan exactly when some gradient element is."""
-    return bool(math.isfinite(float(total_norm)))

@@ -13,11 +13,10 @@ import sys
 import time
 from typing import NoReturn, Sequence
 
-import torch.distributed as dist
-
 from distlm.backends.base import DistributedInitError
 from distlm.config import parse_args
-from distlm.distributed import CollectiveFailure
+from distlm.distributed import CollectiveFailure, shutdown
+from distlm.parallel.replicas import ReplicaDrift
 from distlm.divergence import DivergenceError
 from distlm.errors import UsageError
 from distlm.trainer import Trainer
@@ -62,19 +61,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_main:
             print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return 1
-    except (DistributedInitError, CollectiveFailure) as exc:
+    except (DistributedInitError, CollectiveFailure, ReplicaDrift) as exc:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
         print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        _shutdown()
+        shutdown()
     return 0
-
-
-def _shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run() -> None:

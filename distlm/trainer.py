@@ -65,8 +65,9 @@ class Trainer:
             config, self.task, resume.dictionary if resume else None)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
+        self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
         build = build_model_for_run(
-            self.spec, len(dictionary) if dictionary is not None else 0, dictionary.pad() if dictionary is not None else 1,
+            self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
             self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
             load_hf_weights=resume is None or resume.weights_only,
         )
@@ -85,6 +86,8 @@ class Trainer:
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dims.dp, seed=config.seed,
         )
         check_global_batch(self.sampler, len(self.data), config.data.batch_size, config.data.update_freq)
+        if train_data is not None and not config.data.disable_validation and self.ctx.is_main:
+            logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
         subsets = {} if train_data is not None else load_validation_subsets(
             config, self.task, list(self.data.dictionary.symbols))
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
@@ -107,10 +110,8 @@ class Trainer:
 
     def update_batches(self) -> Iterator[list[dict[str, Any]]]:
         """This rank's micro-batches for each coming update, prepared by --num-workers processes."""
-        dictionary = getattr(self.data, "dictionary", None)
-        return update_batches(self.data, self.sampler, self.progress.consumed_samples,
-                              dictionary.pad() if dictionary is not None else -1, self.config.data.num_workers,
-                              self.fixed_length)
+        return update_batches(self.data, self.sampler, self.progress.consumed_samples, self.pad_id,
+                              self.config.data.num_workers, self.fixed_length)
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config
@@ -118,47 +119,56 @@ class Trainer:
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
-        summary: dict[str, Any] = {}
+        self.summary: dict[str, Any] = {}
         batches = self.update_batches()
+        compiling = CompileReport() if cfg.compile.compile and self.ctx.is_main else None
         stop = False
-        compiling = CompileReport() if cfg.compile.compile else None
         try:
             while not (stop or self._done()):
-                started = time.perf_counter()
-                epoch_before = self.sampler.epoch_of(self.progress.consumed_samples)
+                # Everything one update does, collectives of logging and saving included.
                 with self.ctx.naming_failed_collectives(self.progress.num_updates + 1):
-                    record = self.train_step(next(batches))
-                self.progress.train_wall += time.perf_counter() - started
-                if compiling is not None and self.ctx.is_main:
-                    compiling, _ = None, compiling.log()
-                applied = record.pop("applied")
-                stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
-                          record.pop("samples"))
-                printer.progress()
-                if (applied and self.progress.num_updates % cfg.logging.log_interval == 0) or self._done():
-                    summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
-                               "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2)}
-                    printer.log(summary)
-                    stats.reset()
-                epoch_after = self.sampler.epoch_of(self.progress.consumed_samples)
-                ended = epoch_before + 1 if epoch_after > epoch_before else None
-                if applied or ended is not None or self._done():
-                    stop = self._validate_and_save(ended, printer)
+                    stop = self._update(next(batches), stats, printer)
+                if compiling is not None:
+                    compiling.log()
+                    compiling = None
         finally:
             printer.close()
-        self.checkpointer.wait()
-        final = {**summary, "update": self.progress.num_updates, "consumed_samples": self.progress.consumed_samples,
-                 "train_wall": round(self.progress.train_wall, 2),
-                 "mfu": round(stats.run_mfu(self.progress.train_wall), 5),
-                 "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
-        printer.log(final, kind="summary")
-        self.checkpointer.announce_last()
-        self.ctx.close()
+        with self.ctx.naming_failed_collectives(self.progress.num_updates):
+            self.handle.wait_pending()
+            self.checkpointer.wait()
+            final = {**self.summary, "update": self.progress.num_updates,
+                     "consumed_samples": self.progress.consumed_samples,
+                     "train_wall": round(self.progress.train_wall, 2), "mfu": round(stats.run_mfu(), 5),
+                     "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
+            printer.log(final, kind="summary")
+            self.checkpointer.announce_last()
+            self.ctx.close()
         return final
+
+    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
+        """Train, log, validate and save what one update calls for; True to stop early."""
+        started = time.perf_counter()
+        epoch_before = self.sampler.epoch_of(self.progress.consumed_samples)
+        record = self.train_step(micro_batches)
+        self.progress.train_wall += time.perf_counter() - started
+        applied = record.pop("applied")
+        stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
+                  record.pop("samples"))
+        printer.progress()
+        if (applied and self.progress.num_updates % self.config.logging.log_interval == 0) or self._done():
+            self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
+                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2)}
+            printer.log(self.summary)
+            stats.reset()
+        ended = epoch_before + 1 if self.sampler.epoch_of(self.progress.consumed_samples) > epoch_before else None
+        if applied or ended is not None or self._done():
+            return self._validate_and_save(ended, printer)
+        return False
 
     def precompile(self) -> str:
         """``--precompile``: fill the compile cache with every graph a run needs, save nothing."""
         line = precompile(self)
+        self.handle.wait_pending()
         self.ctx.close()
         return line
 
@@ -220,7 +230,7 @@ class Trainer:
 
         update = self.progress.num_updates + 1
         lr = self.schedule.apply(self.optimizer, update - self.progress.lr_schedule_start)
-        gnorm = self._unscale_and_clip(gradient_loss_scale)
+        gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
         gnorm_value = float(gnorm)  # the update's one host synchronisation
         finite = math.isfinite(gnorm_value)
         applied = finite and self.handle.gradients_ready
@@ -283,13 +293,6 @@ class Trainer:
     def consumed_samples(self) -> int:
         """Global position in the training data: samples of every rank consumed so far."""
         return self.progress.consumed_samples
-
-    def _unscale_and_clip(self, loss_scale: float) -> torch.Tensor:
-        if loss_scale != 1.0:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            with self.handle.mixed_placements():
-                torch._foreach_mul_(grads, 1.0 / loss_scale)
-        return self.handle.clip_grad_norm_(self.config.optim.clip_norm or math.inf)
 
     def check_replicas(self) -> None:
         """``--check-replicas``: every copy of a parameter is bit-identical after every update."""

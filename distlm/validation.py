@@ -62,7 +62,9 @@ def check_cpu_fp16_speed() -> None:
 
     Most CPUs have no fast fp16 arithmetic: torch falls back to a scalar loop, tens to
     hundreds of times slower than fp32, while bf16 runs at fp32 speed or faster. A short
-    timed probe (a quarter of a second) finds it before a run silently takes hours.
+    timed probe (a quarter of a second) finds it before a run silently takes hours. Each
+    rank probes its own CPU before any process group exists; the ratio is either near 1
+    (fast fp16) or tens, far from the threshold, so the ranks of one machine type agree.
     """
     # The best of many fp32 calls: a busy machine slows some calls, never speeds one up.
     fp32 = measure_cpu_matmul_flops("fp32", size=256, min_seconds=0.2)

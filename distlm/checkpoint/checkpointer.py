@@ -174,9 +174,13 @@ class Checkpointer:
         return path if path.is_absolute() or path.exists() else self.save_dir / name
 
     def _finetune_source(self) -> Resume:
+        """The checkpoint of --finetune-from-model, the same on every rank (collective)."""
         path = Path(self.settings.finetune_from_model)
-        if not (legacy.is_legacy(path) or directory.is_complete(path)):
-            raise UsageError(f"--finetune-from-model {path}: not a distlm checkpoint")
+        seen = self.ctx.all_gather_object(legacy.is_legacy(path) or directory.is_complete(path))
+        if not all(seen):
+            missing = [rank for rank, ok in enumerate(seen) if not ok]
+            raise UsageError(f"--finetune-from-model {path}: not a distlm checkpoint on ranks {missing}; "
+                             "name a checkpoint directory every rank can read")
         meta = legacy.read_meta(path) if legacy.is_legacy(path) else _read_meta(path)
         return Resume(path, meta, weights_only=True)
 

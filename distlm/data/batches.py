@@ -25,19 +25,22 @@ class UpdateBatches(torch.utils.data.Dataset):
                 for pairs in self.sampler.local_micro_batches(position)]
 
 
-def padded_to(batch: dict[str, Any], length: int | None, pad: int) -> dict[str, Any]:
-    """``batch`` right-padded to ``length`` tokens (None: as collated, the longest sample).
+def padded_to(batch: dict[str, Any], length: int | None, pad: int, rows: int | None = None) -> dict[str, Any]:
+    """``batch`` right-padded to ``length`` tokens (None: as collated, the longest sample),
+    and with padding rows up to ``rows`` samples (None: as many as collated).
 
     Compiled graphs and XLA's traced ones are specialised to their shapes: batches of one
-    fixed length run one graph instead of one per length.
+    fixed shape run one graph instead of one per shape. Padding carries no target.
     """
-    width = batch["input_ids"].shape[1]
-    if length is None or width >= length:
+    height, width = batch["input_ids"].shape
+    extra_columns = max(0, (length or width) - width)
+    extra_rows = max(0, (rows or height) - height)
+    if not extra_columns and not extra_rows:
         return batch
-    extra = length - width
+    pad_shape = (0, extra_columns, 0, extra_rows)
     return {**batch,
-            "input_ids": torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad),
-            "targets": torch.nn.functional.pad(batch["targets"], (0, extra), value=IGNORE_INDEX)}
+            "input_ids": torch.nn.functional.pad(batch["input_ids"], pad_shape, value=pad),
+            "targets": torch.nn.functional.pad(batch["targets"], pad_shape, value=IGNORE_INDEX)}
 
 
 def with_host_facts(batch: dict[str, Any], pad: int) -> dict[str, Any]:

@@ -72,6 +72,11 @@ def parallelize(
     ``fill_shards(model)``, which fills each rank's own shards in place.
     """
     mesh = dims.build_mesh(device.type)
+    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
+    if sharded and whole_model is None and fill_shards is None and dims.world_size > 1:
+        # A model built on every rank (the user's own) is cut into shards in place: each
+        # rank must hold rank 0's weights first, or the shards would be of different models.
+        broadcast_from_rank0(model)
     if dims.tp_enabled:
         model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True)
     if options.compile_backend is not None:
@@ -149,6 +154,13 @@ def materialise(
             buffer.copy_(buffers[single_device_name(name)])
         dist.broadcast(buffer, src=0)
     logger.info("materialised the model shard by shard from rank 0's initialisation")
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Every parameter and buffer of ``model`` as rank 0 holds it (collective)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor, src=0)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

@@ -90,6 +90,15 @@ class DataParallelHandle:
         """False on the first update of double buffering, whose gradients are still in flight."""
         return self.double_buffer is None or not self.double_buffer.first_step
 
+    def unscale_and_clip_(self, loss_scale: float, max_norm: float) -> torch.Tensor:
+        """Divide the gradients by the loss scale they were made with, then clip them to
+        ``max_norm``; returns the global gradient norm (a device tensor)."""
+        if loss_scale != 1.0:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            with self.mixed_placements():
+                torch._foreach_mul_(grads, 1.0 / loss_scale)
+        return self.clip_grad_norm_(max_norm)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over every layout, clipped to ``max_norm`` (inf: no clipping)."""
         params = [p for p in self.model.parameters() if p.grad is not None]

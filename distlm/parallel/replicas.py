@@ -16,6 +16,10 @@ from distlm.mesh import ParallelDims
 from distlm.parallel.names import parameter_names
 
 
+class ReplicaDrift(RuntimeError):
+    """Copies of a parameter differ: a bug in a strategy or a hardware fault; one line naming it."""
+
+
 def check_replicas(model: nn.Module, ctx, update: int) -> None:
     """RuntimeError on every rank if any copy of any parameter differs (collective over the world).
 
@@ -24,10 +28,10 @@ def check_replicas(model: nn.Module, ctx, update: int) -> None:
     the run's ``distlm.distributed.DistContext``.
     """
     drift = first_replica_drift(model, ctx.dims, ctx.device.type)
-    if ctx.all_ranks_agree(drift is not None) and drift is None:
+    if ctx.any_rank(drift is not None) and drift is None:
         drift = "parameters differ between replicas on other ranks (their errors name them)"
     if drift is not None:
-        raise RuntimeError(f"--check-replicas: after update {update}, {drift}")
+        raise ReplicaDrift(f"--check-replicas: after update {update}, {drift}")
 
 
 @torch.no_grad()
