@@ -10,37 +10,19 @@ import atexit
 import logging
 import os
 import sys
-import time
 from typing import NoReturn, Sequence
 
 from distlm.backends.base import DistributedInitError
 from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure, shutdown
-from distlm.parallel.replicas import ReplicaDrift
 from distlm.divergence import DivergenceError
-from distlm.errors import UsageError
+from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.parallel.replicas import ReplicaDrift
 from distlm.trainer import Trainer
 
 
-def _rank_from_environment() -> int:
-    # Cheap guess for "who prints", before (or without) launcher detection.
-    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if name in os.environ and os.environ[name].isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-# How long a rank other than 0 waits before it reports a usage error itself. Bad input is
-# usually met by every rank alike: rank 0 reports it and exits, and the launcher (torchrun,
-# mpiexec, srun --kill-on-bad-exit) stops the others within this time, so one line is
-# printed. Without the wait, a rank that exited first got rank 0 killed before it printed
-# (seen under torchrun with a bad --tp-degree: exit 2 and no message). Input that only some
-# ranks meet (a file missing on one node) is still reported, by those ranks, named.
-_SECOND_REPORTER_DELAY_SEC = 5.0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    rank = _rank_from_environment()
+    rank = rank_from_environment()
     is_main = rank == 0
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
@@ -52,10 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = Trainer(config)
         trainer.precompile() if config.compile.precompile else trainer.fit()
     except UsageError as exc:
-        if not is_main:
-            time.sleep(_SECOND_REPORTER_DELAY_SEC)
-        print(f"distlm: error: {'' if is_main else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
-        return UsageError.exit_code
+        return report_usage_error("distlm: error: ", exc, rank)
     except DivergenceError as exc:
         # Every rank meets it at the same update; rank 0's line is enough.
         if is_main:

@@ -25,7 +25,6 @@ from distlm.data import GlobalBatchSampler
 from distlm.data.batches import check_global_batch, to_device, update_batches
 from distlm.distributed import DistContext, init_distributed
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
-from distlm.errors import UsageError
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.memory import memory_report
 from distlm.metrics import Printer, TrainStats, mfu_inputs

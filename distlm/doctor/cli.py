@@ -7,25 +7,20 @@ import logging
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
-from distlm.config import OneLineErrorParser, TrainConfig
-from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
-from distlm.config import parse_args
 from distlm.backends import resolve_device
-from distlm.plan import load_cluster
+from distlm.config import OneLineErrorParser, TrainConfig, parse_args
+from distlm.distributed import shutdown
+from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
+from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.plan import load_cluster
 from distlm.train import exit_without_teardown
-from distlm.errors import UsageError
 
 ENV_CLUSTER = "DISTLM_CLUSTER"
 DEFAULT_TIMEOUT_SEC = "60"
-# As distlm.train: bad input is usually met by every rank alike, so rank 0 reports it
-# and the others wait for the launcher to stop them, reporting it themselves only if
-# they are still running after this long (input only some ranks met).
-_SECOND_REPORTER_DELAY_SEC = 5.0
 
 DESCRIPTION = """\
 Preflight of a cluster. Start it exactly as the training job, with the same launcher
@@ -177,30 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the doctor on this rank; returns the exit status (0 passed, 1 a check failed, 2 bad input)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         stream=sys.stderr)
-    rank = _rank_from_environment()
+    rank = rank_from_environment()
     try:
         options, config = parse_doctor_args(argv)
         cluster = load_expected_cluster(options, config.distributed.device)
 
         return run_doctor(options, config, cluster, launcher_rank=rank)
     except UsageError as exc:
-        if rank != 0:
-            time.sleep(_SECOND_REPORTER_DELAY_SEC)
-        print(f"distlm.doctor: error: {'' if rank == 0 else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
-        return UsageError.exit_code
+        return report_usage_error("distlm.doctor: error: ", exc, rank)
     finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _rank_from_environment() -> int:
-    # Who prints a usage error, before (or without) launcher detection.
-    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+        shutdown()
 
 
 def run() -> NoReturn:
