@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, get_type_hints
+from typing import Any, Callable, Sequence, get_type_hints
 
 from distlm.choices import CHOICES
 from distlm.errors import UsageError
@@ -364,6 +364,21 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+
+def whole_number_list(flag: str) -> Callable[[str], list[int]]:
+    """An argparse ``type`` for ``flag``'s comma-separated whole numbers (``1,2,4``)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise UsageError(f"{flag} takes comma-separated whole numbers, e.g. 1,2,4; got {text!r}") from None
+        if not values:
+            raise UsageError(f"{flag} needs at least one number")
+        return values
+
+    return parse
 
 
 def _base_type(hint: Any) -> Any:

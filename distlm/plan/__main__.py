@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Sequence
 
-from distlm.config import OneLineErrorParser
+from distlm.config import OneLineErrorParser, whole_number_list
 from distlm.errors import UsageError
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.plan.flops import DTYPES, count_parameters, flops_per_token, model_shape
@@ -35,19 +35,6 @@ from distlm.plan.model import (
 )
 
 
-def _counts(flag: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise UsageError(f"{flag} takes comma-separated whole numbers, e.g. 1,2,4; got {text!r}") from None
-        if not values:
-            raise UsageError(f"{flag} needs at least one number")
-        return values
-
-    return parse
-
-
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
         prog="python -m distlm.plan", allow_abbrev=False, description=__doc__.splitlines()[0]
@@ -55,8 +42,8 @@ def build_parser() -> OneLineErrorParser:
     add = parser.add_argument
     add("--arch", required=True, help="a distlm arch name or a Hugging Face config.json (model_type llama or roberta)")
     add("--cluster", required=True, help=f"one of {', '.join(available_clusters())}, or a profile .toml file")
-    add("--nodes", type=_counts("--nodes"), default=None, help="node counts to project, e.g. 1,2,4 (default 1)")
-    add("--ranks", type=_counts("--ranks"), default=None,
+    add("--nodes", type=whole_number_list("--nodes"), default=None, help="node counts to project, e.g. 1,2,4 (default 1)")
+    add("--ranks", type=whole_number_list("--ranks"), default=None,
         help="total rank counts instead of --nodes; fewer than a node's ranks use part of one node")
     add("--ranks-per-node", type=int, default=None, help="override the profile's ranks per node")
     add("--strategy", default="ddp", choices=STRATEGIES, help="ddp, zero1 or fsdp")

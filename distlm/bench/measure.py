@@ -1,0 +1,296 @@
+"""Measure one world size on every rank: each strategy's update split into its parts, and the all-reduce.
+
+An update is timed whole (``step``), and inside it the gradient unscale, clip and
+optimizer step (``optimizer``). Where data parallelism communicates, every timed update
+is paired with one that runs the same batch with that communication switched off
+(``communication_off``), in alternating order; that update's time less its optimizer
+part is the compute. What the full update takes beyond compute and optimizer is the
+communication that compute did not hide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from distlm.config import TrainConfig, parse_args
+from distlm.errors import UsageError
+from distlm.parallel import comm_hooks
+from distlm.parallel.names import unwrap
+from distlm.plan.flops import dtype_name, measure_cpu_matmul_flops, peak_flops
+from distlm.trainer import Trainer
+
+# The suite drives a fixed number of updates and never stops on its own, validates or logs.
+_NEVER = 10**9
+KIB, MIB = 1024, 1024 * 1024
+
+
+@dataclass
+class LaunchSpec:
+    """What one launch measures; the driver writes it as JSON for the ranks to read."""
+
+    arch: str
+    strategies: list[str]
+    batch_size: int
+    """Samples per micro-batch per data-parallel replica at this world size."""
+    update_freq: int
+    tokens_per_sample: int
+    precision: str
+    """fp32, bf16 or fp16."""
+    comm_hook: str
+    tp_degree: int
+    bucket_cap_mb: float
+    device: str
+    steps: int
+    warmup_steps: int
+    data: str | None = None
+    """distlm.train's --data; None: the built-in corpus."""
+    allreduce_sizes: list[int] = field(default_factory=list)
+    """fp32 buffer sizes in bytes for the plain all-reduce probe (empty: no probe)."""
+    seed: int = 1
+
+    def trainer_flags(self, strategy: str) -> list[str]:
+        """distlm.train's flags for ``strategy``: fixed-length samples, nothing saved or validated."""
+        flags = [
+            "--arch", self.arch, "--strategy", strategy, "--tp-degree", str(self.tp_degree),
+            "--batch-size", str(self.batch_size), "--update-freq", str(self.update_freq),
+            "--tokens-per-sample", str(self.tokens_per_sample),
+            # Every sample exactly --tokens-per-sample tokens, so tokens/s and FLOPs are what they say.
+            "--sample-break-mode", "none",
+            "--comm-hook", self.comm_hook, "--bucket-cap-mb", str(self.bucket_cap_mb), "--device", self.device,
+            "--no-save", "--disable-validation", "--max-update", str(_NEVER), "--log-interval", str(_NEVER),
+            "--seed", str(self.seed),
+        ]
+        flags += ["--data", self.data] if self.data is not None else []
+        return flags + {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[self.precision]
+
+    def trainer_config(self, strategy: str) -> TrainConfig:
+        """The parsed and checked config of ``trainer_flags``."""
+        return parse_args(self.trainer_flags(strategy))
+
+
+# ------------------------------------------------------------------------------- hooks
+
+
+class UpdateClock:
+    """Seconds an update spends in gradient unscale + clip and in the optimizer step.
+
+    The trainer has no timing hook, so the two calls it makes are wrapped on the
+    instances: the handle's ``unscale_and_clip_`` and the optimizer's ``step``.
+    """
+
+    def __init__(self, trainer: Any):
+        self.seconds = 0.0
+        trainer.handle.unscale_and_clip_ = self._timed(trainer.handle.unscale_and_clip_)
+        trainer.optimizer.step = self._timed(trainer.optimizer.step)
+
+    def _timed(self, call: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+@contextlib.contextmanager
+def communication_off(trainer: Any) -> Iterator[None]:
+    """Run updates inside with no data-parallel communication and the same compute.
+
+    Gradients are not synchronised on any micro-batch (DDP's ``no_sync``, FSDP2's
+    ``requires_gradient_sync``). FSDP2 would still all-gather parameters before each
+    block's forward and backward, so they are gathered once on entering (outside any
+    timing) and held: no block reshards after forward or backward. On leaving, FSDP's
+    settings come back, the unsynchronised gradients are dropped and the parameters are
+    resharded. Inside, DDP replicas step on their own gradients and drift apart, and
+    FSDP's sharded parameters get no gradients: the weights are not the point here.
+    """
+    handle = trainer.handle
+    sync = handle.gradient_sync
+    handle.gradient_sync = lambda enabled: sync(False)
+    fsdp_modules = [module for module in trainer.model.modules() if isinstance(module, FSDPModule)]
+    groups = [group for module in fsdp_modules for group in module._get_fsdp_state()._fsdp_param_groups]
+    saved = [(g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads) for g in groups]
+    try:
+        for group in groups:
+            group.post_forward_mesh_info = None  # no reshard after forward
+            group.reshard_after_backward = False
+            group.reduce_grads = group.all_reduce_grads = False
+        for module in fsdp_modules:
+            module.unshard()
+        yield
+    finally:
+        del handle.gradient_sync  # back to the class's method
+        for group, (post_forward, after_backward, reduce, all_reduce) in zip(groups, saved):
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):
+                    param.unsharded_param.grad = None
+            group.post_forward_mesh_info = post_forward
+            group.reshard_after_backward = after_backward
+            group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
+        for module in fsdp_modules:
+            module.reshard()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class StrategyTimes:
+    """One strategy at one world size, one launch: per timed update, the slowest rank's
+    update seconds and the ranks' mean optimizer seconds; ``compute_*`` empty where
+    nothing communicates (one data-parallel replica)."""
+
+    strategy: str
+    world_size: int
+    dp_degree: int
+    vocab_size: int
+    step_s: list[float]
+    optimizer_s: list[float]
+    compute_step_s: list[float]
+    compute_optimizer_s: list[float]
+    memory: list[dict[str, int]]
+    """``distlm.memory.memory_report`` of every rank after an update, in rank order."""
+    device: str
+    ranks_per_node: int
+
+
+def timed_update(trainer: Any, micro_batches: list[dict[str, Any]], clock: UpdateClock) -> tuple[float, float]:
+    """(update seconds, optimizer seconds) of one ``train_step``, started together on every rank."""
+    trainer.ctx.barrier()
+    clock.seconds = 0.0
+    start = time.perf_counter()
+    trainer.train_step(micro_batches)
+    trainer.ctx.backend.synchronize()
+    return time.perf_counter() - start, clock.seconds
+
+
+def measure_strategy(
+    spec: LaunchSpec, strategy: str, progress: Callable[[str], None] = lambda line: None
+) -> StrategyTimes:
+    """Build a Trainer for ``strategy``, warm it up, then time ``spec.steps`` updates
+    (each paired with one with communication off, where there is communication)."""
+    trainer = Trainer(spec.trainer_config(strategy))
+    ctx = trainer.ctx
+    loader = trainer.update_batches()
+    # Data loading is not part of an update here: the batches are collated beforehand.
+    batches = [next(loader) for _ in range(max(1, min(spec.steps, 4)))]
+    clock = UpdateClock(trainer)
+    communicates = ctx.dims.dp_enabled
+    for index in range(spec.warmup_steps):
+        if index == spec.warmup_steps - 1:
+            trainer.config.logging.log_interval = 1  # the trainer measures memory on logged updates
+        timed_update(trainer, batches[index % len(batches)], clock)
+        trainer.config.logging.log_interval = _NEVER
+    if communicates:
+        with communication_off(trainer):  # first allocations of the gathered parameters
+            timed_update(trainer, batches[0], clock)
+
+    step, optimizer, compute_step, compute_optimizer = [], [], [], []
+    for index in range(spec.steps):
+        batch = batches[index % len(batches)]
+        order = ("full", "off") if index % 2 == 0 else ("off", "full")
+        for kind in order if communicates else ("full",):
+            gc.collect()
+            if kind == "full":
+                seconds, in_optimizer = timed_update(trainer, batch, clock)
+                step.append(seconds)
+                optimizer.append(in_optimizer)
+            else:
+                with communication_off(trainer):
+                    seconds, in_optimizer = timed_update(trainer, batch, clock)
+                compute_step.append(seconds)
+                compute_optimizer.append(in_optimizer)
+        progress(f"{strategy}: update {index + 1}/{spec.steps} {step[-1]:.3f} s")
+
+    everyone = ctx.all_gather_object((step, optimizer, compute_step, compute_optimizer, trainer.last_memory))
+    result = StrategyTimes(
+        strategy=strategy,
+        world_size=ctx.world_size,
+        dp_degree=ctx.dims.dp,
+        vocab_size=unwrap(trainer.model).config.vocab_size,
+        step_s=_per_update(max, [rank[0] for rank in everyone]),
+        optimizer_s=_per_update(statistics.fmean, [rank[1] for rank in everyone]),
+        compute_step_s=_per_update(max, [rank[2] for rank in everyone]),
+        compute_optimizer_s=_per_update(statistics.fmean, [rank[3] for rank in everyone]),
+        memory=[rank[4] for rank in everyone],
+        device=str(ctx.device),
+        ranks_per_node=ctx.env.local_world_size,
+    )
+    del trainer, batches, loader
+    gc.collect()
+    ctx.barrier()
+    return result
+
+
+def _per_update(combine: Callable[[Sequence[float]], float], per_rank: list[list[float]]) -> list[float]:
+    """``combine`` of the ranks' values of each update (the update's slowest rank, their mean)."""
+    return [combine(values) for values in zip(*per_rank)]
+
+
+def probe_allreduce(sizes: list[int], ranks_per_node: int, device: torch.device, rounds: int = 7) -> dict[str, Any]:
+    """The plain (averaging) all-reduce of fp32 buffers, as ``benchmarks/allreduce.py``
+    reports it and ``distlm.plan --calibrate`` reads it: per size, the median over
+    ``rounds`` calls of the slowest rank's time (after one warm-up call)."""
+    reducer = comm_hooks.build_reducer("allreduce", None, device_type=device.type)
+    rows = []
+    for size in sizes:
+        buffer = torch.ones(size // 4, device=device)
+        reducer(buffer).wait()
+        seconds = []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            reducer(buffer).wait()
+            seconds.append(time.perf_counter() - start)
+        times = torch.tensor(seconds, dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        rows.append({"size_bytes": size, "method": "plain", "median_s": round(statistics.median(times.tolist()), 7)})
+        del buffer
+    return {
+        "benchmark": "allreduce",
+        "world_size": dist.get_world_size(),
+        "ranks_per_node": ranks_per_node,
+        "torch": torch.__version__,
+        "collectives": rows,
+    }
+
+
+def peak_flops_per_rank(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s of one rank: on CPU a timed matmul with this process's threads (the
+    planner's probe), elsewhere the device's table entry; None for a device without one."""
+    try:
+        if device.type == "cpu":
+            return measure_cpu_matmul_flops(dtype_name(precision), threads=torch.get_num_threads())
+        return peak_flops(device.type, precision)
+    except UsageError:
+        return None
+
+
+def measure_launch(spec: LaunchSpec, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Every strategy of the spec in order, then the all-reduce probe (with more than one
+    rank) and the peak FLOP/s of a rank; collective, the result is complete on rank 0."""
+    results = [measure_strategy(spec, strategy, progress) for strategy in spec.strategies]
+    device = torch.device(results[-1].device)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    allreduce = None
+    if distributed and spec.allreduce_sizes:
+        progress(f"all-reduce probe: {len(spec.allreduce_sizes)} sizes")
+        allreduce = probe_allreduce(spec.allreduce_sizes, results[-1].ranks_per_node, device)
+    peak = peak_flops_per_rank(device, spec.precision) if not distributed or dist.get_rank() == 0 else None
+    if distributed:
+        dist.barrier()  # the other ranks wait while rank 0 times its matmul alone
+    return {"strategies": [asdict(result) for result in results], "allreduce": allreduce,
+            "peak_flops_per_rank": peak, "threads_per_rank": torch.get_num_threads(), "device": device.type,
+            "torch": torch.__version__}

@@ -1,0 +1,267 @@
+"""From the launches' raw timings to one row per point: medians, the step-time split,
+tokens/s, efficiency, MFU and memory; and the files a run leaves (results.jsonl,
+allreduce.jsonl, calibration.jsonl, results.md).
+
+A point is one strategy at one world size. Each launch gives, per point, the median over
+its timed updates of the update time, of the optimizer part, and of the update with
+communication off less its optimizer part (the compute). A point's values are the
+medians of those over the repetitions, and
+
+    comm_exposed_s = step_time_s - compute_s - optimizer_s
+
+holds exactly. With one data-parallel replica nothing communicates: compute_s is
+step_time_s - optimizer_s and comm_exposed_s is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Iterable
+
+from distlm.plan.flops import flops_per_token, model_flops_utilization, model_shape
+
+# Rows with the same values of these fields are one scaling series; its efficiency is
+# measured against its smallest world size. Weak scaling keeps the per-replica batch,
+# strong scaling the global batch.
+SERIES_FIELDS = ("arch", "mode", "strategy", "tokens_per_sample", "update_freq", "precision", "comm_hook",
+                 "tp_degree", "vocab_size", "device", "threads_per_rank")
+RESULTS, ALLREDUCE, CALIBRATION, TABLE = "results.jsonl", "allreduce.jsonl", "calibration.jsonl", "results.md"
+
+
+def series_key(row: dict[str, Any]) -> tuple:
+    """What a row's scaling series is: its settings but the world size."""
+    batch = row["batch_size"] if row["mode"] == "weak" else row["global_batch_size"]
+    return tuple(row[name] for name in SERIES_FIELDS) + (batch,)
+
+
+def point_key(row: dict[str, Any]) -> tuple:
+    """What a row measures: its series and world size."""
+    return series_key(row) + (row["world_size"],)
+
+
+def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
+    """Medians over one launch's timed updates of one strategy."""
+    compute = None
+    if times["compute_step_s"]:
+        compute = statistics.median(
+            step - optimizer for step, optimizer in zip(times["compute_step_s"], times["compute_optimizer_s"])
+        )
+    return {
+        "step": statistics.median(times["step_s"]),
+        "optimizer": statistics.median(times["optimizer_s"]),
+        "compute": compute,
+    }
+
+
+def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (strategy, world size) from the launches' raw results (``worker`` output).
+
+    ``settings`` holds ``arch``, ``mode`` and the requested ``strategies``; everything else
+    comes from each launch's spec. A strategy measured with one data-parallel replica
+    stands for every strategy: none of them wraps or shards anything there.
+    """
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for launch in launches:
+        for times in launch["strategies"]:
+            one_replica = times["dp_degree"] == 1
+            for strategy in settings["strategies"] if one_replica else [times["strategy"]]:
+                samples.setdefault((strategy, times["world_size"]), []).append({"launch": launch, "times": times})
+
+    rows = []
+    for (strategy, world_size), entries in sorted(samples.items()):
+        summaries = [launch_summary(entry["times"]) for entry in entries]
+        step = statistics.median(s["step"] for s in summaries)
+        optimizer = statistics.median(s["optimizer"] for s in summaries)
+        if any(s["compute"] is None for s in summaries):
+            compute = step - optimizer
+        else:
+            compute = statistics.median(s["compute"] for s in summaries)
+        last = entries[-1]
+        times, spec, launch = last["times"], last["launch"]["spec"], last["launch"]
+        global_batch = spec["batch_size"] * spec["update_freq"] * times["dp_degree"]
+        tokens_per_s = global_batch * spec["tokens_per_sample"] / step
+        memory = max(times["memory"], key=lambda report: report.get("total_bytes", 0))
+        peaks = [e["launch"]["peak_flops_per_rank"] for e in entries if e["launch"]["peak_flops_per_rank"]]
+        peak = statistics.median(peaks) if peaks else None
+        per_token = flops_per_token(model_shape(settings["arch"], times["vocab_size"]), spec["tokens_per_sample"])
+        rows.append({
+            "world_size": world_size,
+            "strategy": strategy,
+            "mode": settings["mode"],
+            "arch": settings["arch"],
+            "vocab_size": times["vocab_size"],
+            "tokens_per_sample": spec["tokens_per_sample"],
+            "batch_size": spec["batch_size"],
+            "update_freq": spec["update_freq"],
+            "global_batch_size": global_batch,
+            "dp_degree": times["dp_degree"],
+            "tp_degree": spec["tp_degree"],
+            "precision": spec["precision"],
+            "comm_hook": spec["comm_hook"],
+            "device": launch["device"],
+            "threads_per_rank": launch["threads_per_rank"],
+            "steps": spec["steps"],
+            "warmup_steps": spec["warmup_steps"],
+            "repeats": len(entries),
+            "step_time_s": step,
+            "compute_s": compute,
+            "comm_exposed_s": step - compute - optimizer,
+            "optimizer_s": optimizer,
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": global_batch / step,
+            "efficiency": None,
+            "efficiency_baseline_world_size": None,
+            "mfu": model_flops_utilization(tokens_per_s, per_token, peak, world_size) if peak else None,
+            "flops_per_token": per_token,
+            "peak_flops_per_rank": peak,
+            "memory_bytes_per_rank": memory.get("total_bytes"),
+            "param_bytes": memory.get("param_bytes"),
+            "grad_bytes": memory.get("grad_bytes"),
+            "optimizer_bytes": memory.get("optimizer_bytes"),
+            "step_time_s_repeats": [s["step"] for s in summaries],
+            "torch": launch["torch"],
+        })
+    return with_efficiency(rows)
+
+
+def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill ``efficiency``: tokens/s per rank over that of the series' smallest world size.
+
+    Weak scaling: per-rank throughput relative to the baseline. Strong scaling (same
+    tokens per update): speedup over the baseline divided by the growth in ranks. Both are
+    ``(tokens_per_s / world_size) / (baseline tokens_per_s / baseline world_size)``.
+    """
+    baselines: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        key = series_key(row)
+        if key not in baselines or row["world_size"] < baselines[key]["world_size"]:
+            baselines[key] = row
+    for row in rows:
+        base = baselines[series_key(row)]
+        row["efficiency"] = (row["tokens_per_s"] / row["world_size"]) / (base["tokens_per_s"] / base["world_size"])
+        row["efficiency_baseline_world_size"] = base["world_size"]
+    return rows
+
+
+def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One all-reduce report per layout: per size, the median over the launches' medians."""
+    grouped: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for launch in launches:
+        report = launch.get("allreduce")
+        if report:
+            grouped.setdefault((report["world_size"], report["ranks_per_node"]), []).append(report)
+    reports = []
+    for (world_size, per_node), group in sorted(grouped.items()):
+        by_size: dict[int, list[float]] = {}
+        for report in group:
+            for row in report["collectives"]:
+                by_size.setdefault(row["size_bytes"], []).append(row["median_s"])
+        reports.append({
+            "benchmark": "allreduce",
+            "world_size": world_size,
+            "ranks_per_node": per_node,
+            "torch": group[-1]["torch"],
+            "repeats": len(group),
+            "collectives": [
+                {"size_bytes": size, "method": "plain", "median_s": statistics.median(values),
+                 "busbw_GBps": size / statistics.median(values) / 1e9 * 2 * (world_size - 1) / world_size}
+                for size, values in sorted(by_size.items())
+            ],
+        })
+    return reports
+
+
+def calibration_objects(rows: list[dict[str, Any]], reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What ``distlm.plan --calibrate`` should fit to: the one-rank rows (achieved FLOP/s,
+    optimizer bandwidth) and, per kind of link, the all-reduce of the fewest ranks (one
+    node: the intra-node link; several: the network). Nothing measured at the larger
+    world sizes the planner is asked to predict."""
+    objects = [row for row in rows if row["world_size"] == 1]
+    smallest: dict[bool, dict[str, Any]] = {}
+    for report in reports:
+        across_nodes = report["ranks_per_node"] < report["world_size"]
+        if across_nodes not in smallest or report["world_size"] < smallest[across_nodes]["world_size"]:
+            smallest[across_nodes] = report
+    return objects + [smallest[kind] for kind in sorted(smallest)]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file; none if it does not exist."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, objects: Iterable[dict[str, Any]]) -> None:
+    """One JSON object per line, floats to 6 significant digits, replaced atomically."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json.dumps(_rounded(obj)) + "\n" for obj in objects))
+    partial.replace(path)
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` rows with the points of ``new`` replaced or added, efficiency recomputed."""
+    fresh = {point_key(row) for row in new}
+    merged = [row for row in old if point_key(row) not in fresh] + new
+    return with_efficiency(sorted(merged, key=lambda row: (series_key(row), row["world_size"])))
+
+
+def merge_reports(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` all-reduce reports with those of ``new``'s layouts replaced or added."""
+    layout = lambda report: (report["world_size"], report["ranks_per_node"])  # noqa: E731
+    fresh = {layout(report) for report in new}
+    return sorted([r for r in old if layout(r) not in fresh] + new, key=layout)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """results.md: the points as a Markdown table, with what the columns mean."""
+    lines = ["# Scaling results", ""]
+    settings = []
+    for row in rows:
+        line = (
+            f"- {row['arch']} ({row['vocab_size']}-symbol vocabulary), {row['mode']} scaling, "
+            f"{row['tokens_per_sample']} tokens per sample, {row['precision']}, update-freq {row['update_freq']}, "
+            f"tp {row['tp_degree']}, comm hook {row['comm_hook']}, {row['device']} with "
+            f"{row['threads_per_rank']} thread(s) per rank; medians of {row['repeats']} repetition(s) "
+            f"of {row['steps']} timed updates"
+        )
+        if line not in settings:
+            settings.append(line)
+    lines += settings
+    lines += [
+        "",
+        "| ranks | strategy | batch per replica | global batch | step (s) | compute (s) | exposed comm (s) "
+        "| optimizer (s) | tokens/s | efficiency | MFU | memory per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: (r["mode"], r["strategy"], r["world_size"])):
+        mfu = f"{row['mfu']:.3f}" if row["mfu"] is not None else "n/a"
+        memory = f"{row['memory_bytes_per_rank'] / 2**20:.1f}" if row["memory_bytes_per_rank"] else "n/a"
+        lines.append(
+            f"| {row['world_size']} | {row['strategy']} | {row['batch_size']} x {row['update_freq']} "
+            f"| {row['global_batch_size']} | {row['step_time_s']:.4f} | {row['compute_s']:.4f} "
+            f"| {row['comm_exposed_s']:.4f} | {row['optimizer_s']:.4f} | {row['tokens_per_s']:.0f} "
+            f"| {row['efficiency']:.3f} | {mfu} | {memory} |"
+        )
+    lines += [
+        "",
+        "step: median update time. compute: the same updates with data-parallel communication off, less their "
+        "optimizer part. exposed comm = step - compute - optimizer: the communication that compute did not hide "
+        "(noise can make it slightly negative). optimizer: gradient unscale and clipping plus the optimizer step. "
+        "efficiency: tokens/s per rank over that of the smallest world size of the series. "
+        "memory: parameters, gradients and optimizer state of the rank holding the most.",
+        "",
+    ]
+    return "\n".join(lines)

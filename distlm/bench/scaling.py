@@ -1,0 +1,357 @@
+"""``python -m distlm.bench scaling``: throughput, step-time split, memory and efficiency over world sizes.
+
+    python -m distlm.bench scaling --arch roberta_tiny --ranks 1,2,4 --strategy ddp,fsdp --mode weak \\
+        --steps 10 --batch-size 16 --tokens-per-sample 128 --out scaling/
+
+On one machine the suite starts torchrun itself, once per world size and repetition
+(``python -m torch.distributed.run --nproc_per_node N --standalone -m distlm.bench.worker``),
+with the same number of threads per rank at every world size. The whole list of world
+sizes is repeated ``--repeats`` times, in an order rotated every repetition, and each
+point is the median of its repetitions: other work on a shared machine then slows all
+points alike instead of one. Inside a launch (torchrun, srun, mpiexec) it measures that
+launch's world size in place and merges the points into the rows already in ``--out``,
+so a sweep over several allocations collects in one directory.
+
+``--out`` receives results.jsonl (one object per point; the fields are documented in
+benchmarks/README.md), results.md, tokens_per_s.png, efficiency.png, step_breakdown.png,
+allreduce.jsonl (the plain all-reduce probe of each multi-rank layout), calibration.jsonl
+(what ``python -m distlm.plan --calibrate`` should fit to: one-rank rows and all-reduce
+only) and raw/ (every launch's spec, raw timings and output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from distlm.backends import get_backend
+from distlm.bench import plots, results
+from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch
+from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
+from distlm.choices import COMM_HOOKS, DEVICES, STRATEGIES
+from distlm.config import OneLineErrorParser, whole_number_list
+from distlm.distributed import shutdown
+from distlm.env import ClusterEnv
+from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.validation import validate
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class LaunchFailed(RuntimeError):
+    """A torchrun launch of the worker ended without a result."""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for name in names:
+        if name not in STRATEGIES:
+            raise UsageError(f"--strategy {name} is unknown; choose from {', '.join(STRATEGIES)} (comma-separated)")
+    if not names:
+        raise UsageError("--strategy needs at least one of " + ", ".join(STRATEGIES))
+    if len(set(names)) != len(names):
+        raise UsageError(f"--strategy {text} names a strategy twice")
+    return names
+
+
+def build_parser() -> OneLineErrorParser:
+    """The suite's flags; errors are one line (UsageError)."""
+    parser = OneLineErrorParser(
+        prog="python -m distlm.bench scaling", allow_abbrev=False,
+        description="Throughput, step-time split, memory and efficiency of the Trainer over world sizes.",
+    )
+    add = parser.add_argument
+    add("--arch", default="roberta_tiny", help="a distlm arch name (default roberta_tiny)")
+    add("--ranks", type=whole_number_list("--ranks"), default=None,
+        help="world sizes to measure, e.g. 1,2,4 (default 1,2); inside a launch: its own world size")
+    add("--strategy", type=_names, default=["ddp"], help=f"comma-separated, from {', '.join(STRATEGIES)} (default ddp)")
+    add("--mode", choices=("weak", "strong"), default="weak",
+        help="weak: --batch-size per replica at every point; strong: one global batch split over the replicas")
+    add("--steps", type=int, default=5, help="timed updates per point and repetition (default 5)")
+    add("--warmup-steps", type=int, default=2, help="untimed updates first (default 2)")
+    add("--repeats", type=int, default=3, help="repetitions of the whole list of points (default 3)")
+    add("--batch-size", type=int, default=16, help="samples per micro-batch per data-parallel replica (default 16)")
+    add("--global-batch-size", type=int, default=None,
+        help="strong scaling: samples per update over all replicas (default: --batch-size x --update-freq x the "
+             "replicas of the smallest world size)")
+    add("--update-freq", type=int, default=1, help="micro-batches per update (default 1)")
+    add("--tokens-per-sample", type=int, default=128, help="tokens per sample (default 128)")
+    add("--precision", choices=PRECISIONS, default="fp32",
+        help="fp32 (default), bf16 or fp16 (distlm.train's --bf16/--fp16)")
+    add("--comm-hook", choices=COMM_HOOKS, default="allreduce", help="DDP's gradient all-reduce (default allreduce)")
+    add("--tp-degree", type=int, default=1, help="tensor-parallel degree (default 1)")
+    add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
+    add("--data", default=None,
+        help="as distlm.train's --data: a fairseq-preprocess directory (default: the built-in corpus)")
+    add("--device", choices=DEVICES, default="auto", help="as distlm.train's --device (default auto)")
+    add("--threads-per-rank", type=int, default=None,
+        help="OMP_NUM_THREADS of every rank (default: this machine's cores over the largest world size, at least 1)")
+    add("--allreduce-max-mib", type=float, default=16.0,
+        help="largest buffer of the all-reduce probe, 64 KiB x 4^k up to this (default 16; 0: no probe)")
+    add("--no-plots", action="store_true", help="write no PNG files (matplotlib not needed)")
+    add("--out", required=True, help="output directory")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line, with every value checked on its own (UsageError: one line)."""
+    args = build_parser().parse_args(list(argv))
+    for flag, minimum in (("steps", 1), ("warmup_steps", 1), ("repeats", 1), ("batch_size", 1),
+                          ("update_freq", 1), ("tokens_per_sample", 1), ("tp_degree", 1)):
+        value = getattr(args, flag)
+        if value < minimum:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least {minimum}, got {value}")
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        raise UsageError(f"--threads-per-rank must be at least 1, got {args.threads_per_rank}")
+    if args.allreduce_max_mib < 0:
+        raise UsageError(f"--allreduce-max-mib must be 0 (no probe) or positive, got {args.allreduce_max_mib:g}")
+    if args.global_batch_size is not None:
+        if args.mode != "strong":
+            raise UsageError("--global-batch-size fixes the global batch of strong scaling; add --mode strong")
+        if args.global_batch_size < 1:
+            raise UsageError(f"--global-batch-size must be at least 1, got {args.global_batch_size}")
+    if args.ranks is not None:
+        check_ranks(args.ranks, args.tp_degree)
+    if not args.no_plots:
+        plots.require_matplotlib()
+    return args
+
+
+def check_ranks(ranks: list[int], tp_degree: int) -> None:
+    """UsageError for a world size below 1, not a multiple of the tp degree, or given twice."""
+    for count in ranks:
+        if count < 1:
+            raise UsageError(f"--ranks must be at least 1, got {count}")
+        if count % tp_degree:
+            raise UsageError(f"--ranks {count} is not a multiple of --tp-degree {tp_degree}")
+    if len(set(ranks)) != len(ranks):
+        raise UsageError(f"--ranks {','.join(map(str, ranks))} names a world size twice")
+
+
+def global_batch_size(args: argparse.Namespace, ranks: list[int]) -> int:
+    """Strong scaling's samples per update: given, or the smallest world size's at --batch-size."""
+    if args.global_batch_size is not None:
+        return args.global_batch_size
+    return args.batch_size * args.update_freq * (min(ranks) // args.tp_degree)
+
+
+def replica_batch_size(args: argparse.Namespace, world_size: int, ranks: list[int]) -> int:
+    """Samples per micro-batch per replica at ``world_size``."""
+    if args.mode == "weak":
+        return args.batch_size
+    total = global_batch_size(args, ranks)
+    dp = world_size // args.tp_degree
+    per_replica, rest = divmod(total, dp * args.update_freq)
+    if rest or per_replica == 0:
+        raise UsageError(
+            f"--mode strong: the global batch of {total} samples does not split into whole micro-batches "
+            f"(--update-freq {args.update_freq}) over the {dp} replicas of {world_size} ranks; "
+            f"set --global-batch-size to a multiple of {dp * args.update_freq}"
+        )
+    return per_replica
+
+
+def allreduce_sizes(max_mib: float) -> list[int]:
+    """Probe sizes in bytes: 64 KiB x 4^k up to ``max_mib`` MiB (none for 0)."""
+    sizes, size = [], 64 * KIB
+    while size <= max_mib * MIB:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def launch_spec(args: argparse.Namespace, world_size: int, strategies: list[str], ranks: list[int]) -> LaunchSpec:
+    """What a launch of ``world_size`` ranks measures, out of the sweep over ``ranks``."""
+    return LaunchSpec(
+        arch=args.arch, strategies=strategies, batch_size=replica_batch_size(args, world_size, ranks),
+        update_freq=args.update_freq, tokens_per_sample=args.tokens_per_sample, precision=args.precision,
+        comm_hook=args.comm_hook, tp_degree=args.tp_degree, bucket_cap_mb=args.bucket_cap_mb, device=args.device,
+        steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
+        allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 else [],
+    )
+
+
+def measured_strategies(args: argparse.Namespace, world_size: int) -> list[str]:
+    """With one data-parallel replica no strategy wraps or shards anything: measure one."""
+    return args.strategy[:1] if world_size // args.tp_degree == 1 else list(args.strategy)
+
+
+def preflight(args: argparse.Namespace, ranks: list[int], env: ClusterEnv | None = None) -> None:
+    """distlm.train's own validation of every point, before anything is launched."""
+    backend = get_backend(args.device)
+    for world_size in ranks:
+        layout = env or ClusterEnv(
+            rank=0, world_size=world_size, local_rank=0, local_world_size=world_size, node_rank=0, num_nodes=1,
+            master_addr="127.0.0.1", master_port=29500, launcher="torchelastic",
+        )
+        for strategy in args.strategy:
+            validate(launch_spec(args, world_size, [strategy], ranks).trainer_config(strategy), layout, backend)
+
+
+def rotated(items: list[Any], shift: int) -> list[Any]:
+    """``items`` started ``shift`` places later, wrapping around."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def run_launches(args: argparse.Namespace, ranks: list[int], out_dir: Path) -> list[dict[str, Any]]:
+    """Every world size once per repetition, in rotated order, each in its own torchrun."""
+    threads = args.threads_per_rank or max(1, usable_cores() // max(ranks))
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    launches = []
+    _say(f"distlm.bench scaling: {args.arch}, {args.mode} scaling, ranks {','.join(map(str, ranks))}, "
+         f"strategies {','.join(args.strategy)}, {args.repeats} repetition(s), {threads} thread(s) per rank")
+    for repeat in range(args.repeats):
+        for world_size in rotated(ranks, repeat):
+            strategies = rotated(measured_strategies(args, world_size), repeat)
+            spec = launch_spec(args, world_size, strategies, ranks)
+            label = f"repetition {repeat + 1}/{args.repeats}, {world_size} rank{'s' if world_size > 1 else ''}"
+            _say(f"[{label}] {', '.join(strategies)}: batch {spec.batch_size} x {spec.update_freq} per replica")
+            started = time.perf_counter()
+            launch = run_torchrun(spec, world_size, threads, raw / f"rep{repeat + 1}_ranks{world_size}", label)
+            launches.append(launch)
+            for times in launch["strategies"]:
+                summary = results.launch_summary(times)
+                compute = "" if summary["compute"] is None else f", compute {summary['compute']:.4f} s"
+                _say(f"[{label}] {times['strategy']}: update {summary['step']:.4f} s{compute}, "
+                     f"optimizer {summary['optimizer']:.4f} s ({time.perf_counter() - started:.0f} s for the launch)")
+    return launches
+
+
+def run_torchrun(spec: LaunchSpec, world_size: int, threads: int, stem: Path, label: str) -> dict[str, Any]:
+    """One torchrun of the worker; its output goes to ``stem``.log, progress lines also to stderr."""
+    spec_path, out_path, log_path = (stem.with_name(stem.name + suffix) for suffix in (".spec.json", ".json", ".log"))
+    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    out_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--standalone",
+               "-m", "distlm.bench.worker", str(spec_path), str(out_path)]
+    package_root = str(Path(__file__).resolve().parents[2])
+    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
+    error = None
+    with open(log_path, "w") as log, subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as process:
+        try:
+            for line in process.stdout:
+                log.write(line)
+                if line.startswith(PROGRESS_PREFIX):
+                    _say(f"[{label}] {line[len(PROGRESS_PREFIX):].rstrip()}")
+                elif ERROR_PREFIX in line and error is None:
+                    error = line.split(ERROR_PREFIX, 1)[1].strip()
+        except BaseException:
+            process.terminate()  # torchrun stops its workers
+            raise
+        status = process.wait()
+    if error is not None:
+        raise UsageError(error)
+    if status != 0 or not out_path.is_file():
+        raise LaunchFailed(f"the {world_size}-rank launch failed (exit status {status}); its output is in {log_path}")
+    return json.loads(out_path.read_text())
+
+
+def run_in_place(args: argparse.Namespace, env: ClusterEnv) -> list[dict[str, Any]]:
+    """This launch's world size, every repetition in this process; complete on rank 0."""
+    ranks = [env.world_size]
+    launches = []
+    for repeat in range(args.repeats):
+        strategies = rotated(measured_strategies(args, env.world_size), repeat)
+        spec = launch_spec(args, env.world_size, strategies, ranks)
+        label = f"repetition {repeat + 1}/{args.repeats}, {env.world_size} ranks in place"
+
+        def progress(line: str) -> None:
+            if env.rank == 0:
+                _say(f"[{label}] {line}")
+
+        launches.append({"spec": asdict(spec), **measure_launch(spec, progress)})
+    return launches
+
+
+def write_outputs(args: argparse.Namespace, launches: list[dict[str, Any]], out_dir: Path, merge: bool) -> list[dict]:
+    """results.jsonl, allreduce.jsonl, calibration.jsonl, results.md and the plots."""
+    settings = {"arch": args.arch, "mode": args.mode, "strategies": args.strategy}
+    rows = results.point_rows(launches, settings)
+    reports = results.allreduce_reports(launches)
+    if merge:
+        rows = results.merge_rows(results.read_jsonl(out_dir / results.RESULTS), rows)
+        reports = results.merge_reports(results.read_jsonl(out_dir / results.ALLREDUCE), reports)
+    results.write_jsonl(out_dir / results.RESULTS, rows)
+    if reports:
+        results.write_jsonl(out_dir / results.ALLREDUCE, reports)
+    calibration = results.calibration_objects(rows, reports)
+    if calibration:
+        results.write_jsonl(out_dir / results.CALIBRATION, calibration)
+    (out_dir / results.TABLE).write_text(results.markdown_table(rows))
+    if not args.no_plots:
+        plots.write_plots(rows, out_dir)
+    return rows
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m distlm.bench scaling ARGV``; returns the exit status (2: bad input)."""
+    rank = rank_from_environment()
+    try:
+        args = parse_args(argv)
+        env = ClusterEnv.detect()
+        rank = env.rank
+        out_dir = Path(args.out)
+        in_place = env.launcher != "single"
+        if in_place:
+            if args.ranks is not None and args.ranks != [env.world_size]:
+                raise UsageError(
+                    f"inside a launch of {env.world_size} ranks the suite measures that world size; "
+                    f"drop --ranks or give --ranks {env.world_size}"
+                )
+            check_ranks([env.world_size], args.tp_degree)
+            if args.mode == "strong" and args.global_batch_size is None:
+                raise UsageError(
+                    "--mode strong inside a launch needs --global-batch-size, the same in every launch of the sweep"
+                )
+            preflight(args, [env.world_size], env)
+            launches = run_in_place(args, env)
+        else:
+            ranks = sorted(args.ranks or [1, 2])
+            preflight(args, ranks)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            launches = run_launches(args, ranks, out_dir)
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            rows = write_outputs(args, launches, out_dir, merge=in_place)
+            _say(results.markdown_table(rows))
+            _say(f"wrote {out_dir / results.RESULTS} ({len(rows)} points), {results.TABLE}"
+                 + ("" if args.no_plots else ", " + ", ".join(plots.PLOTS)))
+        if in_place and env.is_distributed:
+            dist.barrier()  # rank 0 has written everything before any rank leaves
+    except UsageError as exc:
+        return report_usage_error(ERROR_PREFIX, exc, rank)
+    except LaunchFailed as exc:
+        _say(f"{ERROR_PREFIX}{exc}")
+        return 1
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,232 @@
+"""The scaling suite (``python -m distlm.bench scaling``): a real sweep of roberta_tiny over
+1 and 2 ranks under ddp and fsdp, its files against the schema documented in
+benchmarks/README.md and against the planner that reads them; the compute reference really
+without gradient communication; the in-place mode under torchrun; bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from distributed import run_distributed
+from distlm.bench.__main__ import main as bench_main
+from distlm.data.dictionary import Dictionary
+from distlm.models import build_model
+from distlm.plan.calibrate import calibrate, read_measurements
+from distlm.plan.flops import flops_per_token, model_shape
+from distlm.plan.model import Layout, Workload, load_cluster, project
+from test_ddp import data_dir  # noqa: F401 - shared fixture
+
+README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
+POINTS = {(1, "ddp"), (1, "fsdp"), (2, "ddp"), (2, "fsdp")}
+TOKENS, BATCH = 32, 2
+SWEEP = ["--strategy", "ddp,fsdp", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--batch-size", str(BATCH),
+         "--tokens-per-sample", str(TOKENS), "--device", "cpu", "--threads-per-rank", "1"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TIMEOUT = 240
+
+
+def subprocess_env() -> dict[str, str]:
+    # conftest.py already removed every launcher variable from os.environ.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def documented_fields() -> list[str]:
+    """Field names of the results.jsonl table in the README's scaling-suite section."""
+    section = README.read_text().split("## Scaling suite", 1)[1].split("\n## ", 1)[0]
+    schema = section.split("results.jsonl` fields", 1)[1]
+    return re.findall(r"^\| `(\w+)` \|", schema, flags=re.MULTILINE)
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sweep(data_dir, tmp_path_factory) -> Path:  # noqa: F811 - fixture
+    out = tmp_path_factory.mktemp("scaling")
+    proc = subprocess.run(
+        [sys.executable, "-m", "distlm.bench", "scaling", "--ranks", "1,2", *SWEEP, "--allreduce-max-mib", "16",
+         "--data", data_dir, "--out", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[repetition 1/1, 2 ranks] fsdp" in proc.stderr  # progress while it runs
+    return out
+
+
+def test_results_have_the_documented_fields_and_add_up(sweep, data_dir):  # noqa: F811 - fixture
+    rows = read_rows(sweep / "results.jsonl")
+    fields = documented_fields()
+    assert len(fields) > 30
+    assert {(row["world_size"], row["strategy"]) for row in rows} == POINTS
+    by_point = {(row["world_size"], row["strategy"]): row for row in rows}
+    vocab = len(Dictionary.load(Path(data_dir) / "dict.txt")) + 1  # + <mask>
+    for row in rows:
+        assert sorted(row) == sorted(fields), "every field documented, every documented field written"
+        for name in ("step_time_s", "compute_s", "optimizer_s", "tokens_per_s", "samples_per_s", "efficiency", "mfu",
+                     "memory_bytes_per_rank", "flops_per_token", "peak_flops_per_rank"):
+            assert row[name] > 0, (name, row)
+        assert (row["arch"], row["mode"], row["precision"]) == ("roberta_tiny", "weak", "fp32")
+        assert row["vocab_size"] == vocab
+        assert (row["batch_size"], row["update_freq"], row["tokens_per_sample"]) == (BATCH, 1, TOKENS)
+        assert row["global_batch_size"] == BATCH * row["world_size"]
+        parts = row["compute_s"] + row["comm_exposed_s"] + row["optimizer_s"]
+        assert math.isclose(parts, row["step_time_s"], rel_tol=1e-5)
+        assert math.isclose(row["tokens_per_s"], row["global_batch_size"] * TOKENS / row["step_time_s"], rel_tol=1e-5)
+        base = by_point[(1, row["strategy"])]
+        efficiency = row["tokens_per_s"] / row["world_size"] / base["tokens_per_s"]
+        assert math.isclose(row["efficiency"], efficiency, rel_tol=1e-5)
+        per_token = flops_per_token(model_shape("roberta_tiny", vocab), TOKENS)
+        mfu = row["tokens_per_s"] * per_token / (row["peak_flops_per_rank"] * row["world_size"])
+        assert math.isclose(row["mfu"], mfu, rel_tol=1e-4)
+    for strategy in ("ddp", "fsdp"):
+        assert by_point[(1, strategy)]["efficiency"] == 1.0
+        assert by_point[(1, strategy)]["comm_exposed_s"] == 0.0
+
+    # Memory against the model itself: DDP holds 4 bytes of weights and of gradients per
+    # parameter and 8 of Adam moments (plus Adam's 4-byte step counter per tensor); FSDP
+    # at 2 ranks half of each (plus the padding of uneven shards).
+    model = build_model("roberta_tiny", vocab_size=vocab)
+    params, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    ddp, fsdp = by_point[(2, "ddp")], by_point[(2, "fsdp")]
+    assert ddp["param_bytes"] == ddp["grad_bytes"] == 4 * params
+    assert 8 * params <= ddp["optimizer_bytes"] <= 8 * params + 4 * tensors
+    assert fsdp["param_bytes"] == pytest.approx(2 * params, rel=0.01)
+    assert fsdp["memory_bytes_per_rank"] == pytest.approx(ddp["memory_bytes_per_rank"] / 2, rel=0.01)
+
+
+def test_plots_and_table_are_written(sweep):
+    from matplotlib.image import imread
+
+    for name in ("tokens_per_s.png", "efficiency.png", "step_breakdown.png"):
+        path = sweep / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+        height, width, _ = imread(path).shape  # decodes the whole image
+        assert height > 100 and width > 100, name
+    table = (sweep / "results.md").read_text()
+    for world_size, strategy in POINTS:
+        assert re.search(rf"^\| {world_size} \| {strategy} \| {BATCH} x 1 \|", table, flags=re.MULTILINE), table
+
+
+def test_calibration_file_is_what_the_planner_fits(sweep):
+    """The planner calibrated from calibration.jsonl (one-rank rows and the 2-rank all-reduce,
+    nothing else) gives back the measured one-rank compute and optimizer times."""
+    objects = read_rows(sweep / "calibration.jsonl")
+    assert {obj.get("world_size") for obj in objects if "strategy" in obj} == {1}
+    assert [obj["world_size"] for obj in objects if obj.get("benchmark") == "allreduce"] == [2]
+    calibration = calibrate(read_measurements(sweep / "calibration.jsonl"))
+    assert calibration.intra is not None and calibration.intra.bandwidth_Bps > 0
+    cluster = calibration.apply(load_cluster("local"))
+    one_rank = read_rows(sweep / "calibration.jsonl")[0]
+    workload = Workload(shape=model_shape("roberta_tiny", one_rank["vocab_size"]), tokens_per_sample=TOKENS,
+                        batch_size=BATCH)
+    projection = project(workload, cluster, Layout(nodes=1, ranks_per_node=1))
+    assert projection.compute_s == pytest.approx(one_rank["compute_s"], rel=1e-3)
+    assert projection.optimizer_s == pytest.approx(one_rank["optimizer_s"], rel=1e-3)
+
+
+def _communication_off_worker(data: str) -> dict:
+    from distlm.bench.measure import LaunchSpec, communication_off
+    from distlm.trainer import Trainer
+
+    spec = LaunchSpec(arch="roberta_tiny", strategies=[], batch_size=BATCH, update_freq=1, tokens_per_sample=TOKENS,
+                      precision="fp32", comm_hook="allreduce", tp_degree=1, bucket_cap_mb=25.0, device="cpu",
+                      steps=1, warmup_steps=1, data=data)
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    for name in counts:  # FSDP2's collectives, called through torch.distributed
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    def checksum(trainer) -> list[float]:
+        everyone = [None] * dist.get_world_size()
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.model.parameters()]
+        dist.all_gather_object(everyone, float(sum(p.detach().double().sum() for p in local)))
+        return everyone
+
+    result = {}
+    for strategy in ("ddp", "fsdp"):
+        trainer = Trainer(spec.trainer_config(strategy))
+        batches = trainer.update_batches()
+        seen = {}
+        for kind in ("full", "off", "full"):
+            # Entering communication_off gathers FSDP's parameters once; the update itself is counted.
+            with communication_off(trainer) if kind == "off" else contextlib.nullcontext():
+                for name in counts:
+                    counts[name] = 0
+                record = trainer.train_step(next(batches))
+            seen.setdefault(kind, []).append({**counts, "finite": math.isfinite(record["gnorm"]),
+                                              "checksums": checksum(trainer)})
+        result[strategy] = seen
+    return result
+
+
+def test_communication_off_runs_the_update_without_gradient_communication(data_dir):  # noqa: F811 - fixture
+    ddp, fsdp = run_distributed(_communication_off_worker, 2, data_dir)[0].values()
+    # DDP: replicas stay identical through a synchronised update and drift apart without one.
+    first, off = ddp["full"][0]["checksums"], ddp["off"][0]["checksums"]
+    assert first[0] == first[1] and off[0] != off[1]
+    # FSDP: no all-gather and no reduce-scatter at all with communication off, and the
+    # next synchronised update runs as usual again.
+    assert fsdp["off"][0]["all_gather_single"] == fsdp["off"][0]["reduce_scatter_single"] == 0
+    for update in fsdp["full"]:
+        assert update["all_gather_single"] > 0 and update["reduce_scatter_single"] > 0 and update["finite"]
+
+
+def test_inside_torchrun_it_measures_in_place_and_merges(sweep, data_dir, tmp_path):  # noqa: F811 - fixture
+    out = tmp_path / "merged"
+    shutil.copytree(sweep, out)
+    before = {(row["world_size"], row["strategy"]): row for row in read_rows(out / "results.jsonl")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m", "distlm.bench",
+         "scaling", *SWEEP, "--strategy", "fsdp", "--allreduce-max-mib", "0", "--no-plots", "--data", data_dir,
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = {(row["world_size"], row["strategy"]): row for row in read_rows(out / "results.jsonl")}
+    assert set(after) == POINTS
+    assert after[(2, "fsdp")]["step_time_s_repeats"] != before[(2, "fsdp")]["step_time_s_repeats"]  # measured anew
+    for point in POINTS - {(2, "fsdp")}:  # kept; efficiency recomputed from the rows as written (6 digits)
+        assert after[point] == {**before[point], "efficiency": pytest.approx(before[point]["efficiency"], rel=1e-5)}
+    fsdp, base = after[(2, "fsdp")], after[(1, "fsdp")]
+    assert math.isclose(fsdp["efficiency"], fsdp["tokens_per_s"] / 2 / base["tokens_per_s"], rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+    (["--ranks", "1,two"], "--ranks takes comma-separated whole numbers"),
+    (["--strategy", "ddp,dpp"], "--strategy dpp is unknown"),
+    (["--mode", "weak", "--global-batch-size", "8"], "add --mode strong"),
+    (["--mode", "strong", "--ranks", "1,2", "--global-batch-size", "3"], "set --global-batch-size to a multiple of 2"),
+    (["--arch", "roberta_huge"], "--arch roberta_huge is unknown"),
+    (["--strategy", "fsdp", "--comm-hook", "fp16", "--ranks", "2"], "--comm-hook"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, capsys):
+    assert bench_main(["scaling", *argv, "--no-plots", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distlm.bench: error: ") and expected in err, err
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_command_line_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "distlm.bench", "scaling", "--ranks", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env())
+    assert proc.returncode == 2
+    assert proc.stderr == "distlm.bench: error: --ranks must be at least 1, got 0\n"
