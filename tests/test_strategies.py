@@ -188,13 +188,13 @@ def _tensor_parallel_probe(args: list[str]) -> dict:
     import distlm.builder
 
     whole_models = []
-    initialise = distlm.builder._on_device
+    initialise = distlm.builder._initialised
 
     def counted(model, device, *args):
         whole_models.append(device)
         return initialise(model, device, *args)
 
-    distlm.builder._on_device = counted
+    distlm.builder._initialised = counted
     trainer = Trainer(parse_args(args + ["--batch-size", "4", "--tp-degree", "2", "--log-interval", "1"]))
     trainer.train_step(next(trainer.update_batches()))
     model = trainer.model
