@@ -1,4 +1,5 @@
-"""Shared test setup: one thread per process, markers, and no launcher variables leaking in.
+"""Shared test setup: one thread per process, markers, no launcher variables leaking in,
+and the small data directory most tests train on.
 
 Distributed tests spawn real gloo processes (see ``tests/distributed.py``); two of them
 already fill this machine's two cores, so each process uses a single intra-op thread.
@@ -6,7 +7,10 @@ already fill this machine's two cores, so each process uses a single intra-op th
 
 import os
 
+import numpy as np
 import pytest
+
+from distlm.data.indexed_dataset import write_indexed_dataset
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -35,3 +39,16 @@ def _no_launcher_environment(monkeypatch):
     """Tests decide the launcher; a developer's shell under Slurm/torchrun must not."""
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    """A small fairseq-preprocess style directory: 40-symbol vocabulary, 400 sentences."""
+    root = tmp_path_factory.mktemp("databin")
+    rng = np.random.default_rng(0)
+    words = 40
+    (root / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(words)))
+    sentences = [np.append(rng.integers(4, 4 + words, size=rng.integers(4, 30)), 2) for _ in range(400)]
+    write_indexed_dataset(str(root / "train"), sentences, np.uint16)
+    write_indexed_dataset(str(root / "valid"), sentences[:20], np.uint16)
+    return str(root)

@@ -15,7 +15,7 @@ from distlm import choices
 from distlm.config import build_parser, parse_args
 from distlm.errors import UsageError
 from distlm.trainer import Trainer
-from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_ddp import common_args
 
 PACKAGE = Path(distlm.__file__).parent
 

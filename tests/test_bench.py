@@ -26,7 +26,6 @@ from distlm.models import build_model
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.plan.flops import flops_per_token, model_shape
 from distlm.plan.model import Layout, Workload, load_cluster, project
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 POINTS = {(1, "ddp"), (1, "fsdp"), (2, "ddp"), (2, "fsdp")}

@@ -38,7 +38,6 @@ from distlm.errors import UsageError
 from distlm.parallel.full_state import consolidated_parameters
 from distlm.train import main
 from distlm.trainer import Trainer
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 HALF = 3  # updates before the stop; the straight run does 2 * HALF
 BATCH = 4  # per replica; every layout here trains on a global batch of 8

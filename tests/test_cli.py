@@ -11,7 +11,6 @@ import pytest
 from distlm.config import build_parser, parse_args
 from distlm.errors import UsageError
 from distlm.train import main
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 AWS_ROBERTA_RECIPE = (
     "DATABIN --log-format json --log-interval 25 --seed 1 --fp16 --memory-efficient-fp16 --criterion masked_lm "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from distributed import run_distributed
-from test_ddp import assert_params_close, common_args, data_dir, train  # noqa: F401 - shared fixture
+from test_ddp import assert_params_close, common_args, train
 
 # Inductor fuses each block's elementwise work into C++ loops and may reassociate sums,
 # the same kind of fp32 rounding difference as two ranks against one (test_ddp.py's

@@ -12,24 +12,10 @@ import torch
 
 from distributed import run_distributed
 from distlm.config import parse_args
-from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.parallel.full_state import consolidated_parameters
 from distlm.trainer import Trainer
 
 UPDATES = 5
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    """A small fairseq-preprocess style directory: 40-symbol vocabulary, 400 sentences."""
-    root = tmp_path_factory.mktemp("databin")
-    rng = np.random.default_rng(0)
-    words = 40
-    (root / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(words)))
-    sentences = [np.append(rng.integers(4, 4 + words, size=rng.integers(4, 30)), 2) for _ in range(400)]
-    write_indexed_dataset(str(root / "train"), sentences, np.uint16)
-    write_indexed_dataset(str(root / "valid"), sentences[:20], np.uint16)
-    return str(root)
 
 
 def common_args(data_dir: str, save_dir: str, arch: str = "roberta_tiny") -> list[str]:

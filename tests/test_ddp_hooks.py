@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from test_ddp import PARAM_ATOL, assert_params_close, common_args, data_dir, train  # noqa: F401 - fixture
+from test_ddp import PARAM_ATOL, assert_params_close, common_args, train
 
 GLOBAL_BATCH = 8
 

@@ -31,7 +31,6 @@ import pytest
 
 from distlm.checkpoint import CheckpointReader
 from distlm.env import find_free_port
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

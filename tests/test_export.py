@@ -21,7 +21,6 @@ from distlm.data.dictionary import Dictionary
 from distlm.export import main
 from distlm.models import build_model
 from distlm.trainer import Trainer
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 UPDATES = 2
 

@@ -13,7 +13,7 @@ from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure
 from distlm.trainer import Trainer
-from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_ddp import common_args
 
 TIMEOUT_SEC = 3
 

@@ -22,7 +22,7 @@ from distlm.export import main as export_main
 from distlm.models.hf import load_hf_model
 from distlm.parallel.full_state import consolidated_parameters
 from distlm.trainer import Trainer
-from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_ddp import common_args
 from test_hf_models import LLAMA_SETTINGS, ROBERTA_SETTINGS, perturbed
 
 # The data's dictionary (40 words, fairseq's 4 specials and <mask>) fits in 64 rows.

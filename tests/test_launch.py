@@ -25,7 +25,6 @@ from distlm.config import parse_args
 from distlm.env import find_free_port
 from distlm.parallel.names import unwrap
 from distlm.trainer import Trainer
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 # A subprocess that takes longer than this is hung; a normal run takes 5-20 s here.
 SUBPROCESS_TIMEOUT = 240

@@ -42,7 +42,6 @@ from distlm.parallel.mpi_transport import (
 )
 from distlm.trainer import Trainer
 from distributed import run_distributed
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 pytestmark = pytest.mark.mpi
 

@@ -35,7 +35,6 @@ from distlm.plan.model import (
     project,
     ring_allreduce_time,
 )
-from test_ddp import data_dir  # noqa: F401 - fixture
 
 SEQ_LEN, BATCH = 32, 2
 

@@ -17,7 +17,6 @@ from distlm.optim import Fp32StateAdamW
 from distlm.parallel.names import unwrap
 from distlm.precision import DynamicLossScaler, Precision
 from distlm.trainer import Trainer
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 # ------------------------------------------------------------------ DynamicLossScaler
 

@@ -14,7 +14,6 @@ from distributed import run_distributed
 from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.trainer import Trainer
-from test_ddp import data_dir  # noqa: F401 - shared fixture
 
 
 def fit(args: list[str]) -> None:

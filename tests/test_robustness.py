@@ -15,7 +15,7 @@ from distlm.errors import UsageError
 from distlm.export import main as export_main
 from distlm.metrics import perplexity, strict_json
 from distlm.train import main
-from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_ddp import common_args
 
 
 def run(argv, capsys) -> tuple[int, list[str], list[dict]]:

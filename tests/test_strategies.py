@@ -22,7 +22,7 @@ from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.memory import zero_formula_bytes
 from distlm.trainer import Trainer
-from test_ddp import PARAM_ATOL, UPDATES, assert_params_close, common_args, data_dir, train  # noqa: F401 - fixture
+from test_ddp import PARAM_ATOL, UPDATES, assert_params_close, common_args, train
 
 GLOBAL_BATCH = 8
 

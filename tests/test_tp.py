@@ -11,7 +11,6 @@ time on this 2-core machine.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 
 import pytest

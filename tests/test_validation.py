@@ -14,7 +14,7 @@ from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
-from test_ddp import common_args, data_dir  # noqa: F401 - shared fixture
+from test_ddp import common_args
 
 
 def validation_losses(runs: list[list[str]]) -> list[float]:

@@ -37,7 +37,6 @@ import torch.distributed as dist  # noqa: E402
 import distlm  # noqa: E402
 from distlm.backends.xla import XlaBackend  # noqa: E402
 from distlm.config import parse_args  # noqa: E402
-from distlm.data.indexed_dataset import write_indexed_dataset  # noqa: E402
 from distlm.env import single_process_env  # noqa: E402
 from distlm.memory import memory_report  # noqa: E402
 from distlm.models import build_model  # noqa: E402
@@ -63,19 +62,6 @@ VOCAB_SIZE = 64  # above the 44 symbols of the data (4 specials + 40 words)
 # scaled wrongly, which Adam hides, shows in the gradient norms, compared to 1e-5.
 PARAM_ATOL = 2e-5
 GNORM_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    """A small fairseq-preprocess style directory: 40-symbol vocabulary, 400 sentences."""
-    root = tmp_path_factory.mktemp("databin")
-    rng = np.random.default_rng(0)
-    words = 40
-    (root / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(words)))
-    sentences = [np.append(rng.integers(4, 4 + words, size=rng.integers(4, 30)), 2) for _ in range(400)]
-    write_indexed_dataset(str(root / "train"), sentences, np.uint16)
-    write_indexed_dataset(str(root / "valid"), sentences[:20], np.uint16)
-    return str(root)
 
 
 @pytest.fixture(scope="module")
