@@ -55,11 +55,13 @@ class DynamicLossScaler:
             self.scale *= self.factor
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.scale, "clean_updates": self._clean_updates}
+        return {"scale": self.scale, "clean_updates": self._clean_updates, "consecutive_skips": self.consecutive_skips}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale = float(state["scale"])
         self._clean_updates = int(state["clean_updates"])
+        # --fp16-max-skips counts overflows in a row across a resume; earlier checkpoints lack the count.
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
 @dataclass

@@ -228,7 +228,7 @@ class Trainer:
             loss_sum += self.handle.local_loss(loss.detach()).double()
 
         update = self.progress.num_updates + 1
-        lr = self.schedule.apply(self.optimizer, update - self.progress.lr_schedule_start)
+        lr = self.schedule.apply(self.optimizer, update)
         gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
         gnorm_value = float(gnorm)  # the update's one host synchronisation
         finite = math.isfinite(gnorm_value)

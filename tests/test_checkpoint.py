@@ -58,15 +58,19 @@ def train_args(data: str, save_dir: Path | str, max_update: int, layout: list[st
     ]
 
 
-def fit(args: list[str]) -> dict:
-    return Trainer(parse_args(args)).fit()
+def fit(args: list[str], resumes_at: int | None = None) -> dict:
+    """Train; the run must start fresh, or resume at update ``resumes_at`` (a run that
+    ignored its checkpoint and started over with the same seed would write the same bits)."""
+    trainer = Trainer(parse_args(args))
+    assert trainer.resumed_at == resumes_at, f"started at update {trainer.resumed_at}, not {resumes_at}"
+    return trainer.fit()
 
 
 def straight_and_resumed(data: str, root: Path, layout: list[str], batch: int = BATCH) -> None:
     """2 * HALF updates straight into root/straight; HALF, a stop and HALF more into root/stopped."""
     fit(train_args(data, root / "straight", 2 * HALF, layout, batch))
     fit(train_args(data, root / "stopped", HALF, layout, batch))
-    fit(train_args(data, root / "stopped", 2 * HALF, layout, batch))
+    fit(train_args(data, root / "stopped", 2 * HALF, layout, batch), resumes_at=HALF)
 
 
 def assert_same_checkpoint(actual: Path, expected: Path) -> None:
@@ -224,7 +228,7 @@ def _two_rank_job(data: str, root: str, zero1_tp2_checkpoint: str) -> dict:
         data, root / "zero1-tp2-to-fsdp", 2 * HALF, ["--strategy", "fsdp", "--restore-file", zero1_tp2_checkpoint]))
     # The old single-file format, read into fsdp's shards.
     _write_single_file_copy(root / "fsdp" / "straight" / checkpoint.numbered(HALF), root / "fsdp-from-single-file")
-    fit(train_args(data, root / "fsdp-from-single-file", 2 * HALF, ["--strategy", "fsdp"]))
+    fit(train_args(data, root / "fsdp-from-single-file", 2 * HALF, ["--strategy", "fsdp"]), resumes_at=HALF)
     # Cadence: the first update of double buffering applies nothing, so saves nothing.
     spy.calls.clear()
     fit(train_args(data, root / "double-buffering", 2, ["--double-buffering"], interval=1, arch="roberta_tiny"))
@@ -512,7 +516,8 @@ def test_killed_workers_restart_under_torchrun_and_finish_bit_identical(data_dir
         "--no-python", sys.executable, "-c", RESTART_WORKER, *train_args(data_dir, save_dir, 2 * HALF, interval=2),
     ]
     proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "KILL_NOTES": str(notes)})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "KILL_NOTES": str(notes),
+                               "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert proc.returncode == 0, proc.stderr[-4000:]
     # First kill: after the numbered save, both names committed.
     assert {checkpoint.numbered(2), checkpoint.LAST} <= set(json.loads((notes / "attempt0").read_text()))
@@ -591,7 +596,7 @@ def test_retention_and_save_interval_follow_fairseq(small_data, tmp_path, monkey
 
     # Started again on its finished save dir, the run resumes at the end and writes nothing.
     before, spy.calls[:] = tree_digest(tmp_path), []
-    fit(epoch_args(small_data, tmp_path, 4, flags))
+    fit(epoch_args(small_data, tmp_path, 4, flags), resumes_at=expected[-1][0])
     assert spy.calls == [] and tree_digest(tmp_path) == before
 
 
@@ -608,6 +613,21 @@ def test_skipped_fp16_updates_save_nothing(data_dir, tmp_path, monkeypatch, capl
     assert [update for update, _ in spy.calls] == [1, 2]
     assert not (tmp_path / checkpoint.numbered(0)).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.numbered(1), checkpoint.numbered(2), checkpoint.LAST]
+
+
+def test_the_fp16_loss_scaler_continues_across_a_resume(data_dir, tmp_path):  # noqa: F811
+    """A scale too large for the first updates and a window of 2: the scale falls, then
+    grows, and --fp16-max-skips counts overflows in a row. Stopped after 2 updates and
+    resumed, the run ends where the straight one does, scaler state and weights alike."""
+    fp16 = ["--fp16", "--allow-slow-fp16", "--fp16-init-scale", str(2.0**20), "--fp16-scale-window", "2",
+            "--fp16-max-skips", "40"]
+    fit(train_args(data_dir, tmp_path / "straight", 4, interval=2, arch="roberta_tiny") + fp16)
+    fit(train_args(data_dir, tmp_path / "stopped", 2, interval=2, arch="roberta_tiny") + fp16)
+    fit(train_args(data_dir, tmp_path / "stopped", 4, interval=2, arch="roberta_tiny") + fp16, resumes_at=2)
+    saved = [CheckpointReader(tmp_path / run / checkpoint.LAST).meta["scaler"] for run in ("straight", "stopped")]
+    assert saved[0] == saved[1] and set(saved[0]) == {"scale", "clean_updates", "consecutive_skips"}
+    assert saved[0]["scale"] != 2.0**20  # the scaler did change on the way
+    assert_same_checkpoint(tmp_path / "stopped" / checkpoint.LAST, tmp_path / "straight" / checkpoint.LAST)
 
 
 # ------------------------------------------------------------- the old format
@@ -641,7 +661,7 @@ def test_a_checkpoint_of_the_single_file_format_resumes_exactly(data_dir, tmp_pa
         "consumed_samples": trainer.consumed_samples, "dictionary": list(trainer.data.dictionary.symbols),
     }, stopped / "checkpoint_last.pt")
 
-    fit(train_args(data_dir, stopped, 2 * HALF) + single)
+    fit(train_args(data_dir, stopped, 2 * HALF) + single, resumes_at=HALF)
     assert_same_checkpoint(stopped / checkpoint.LAST, tmp_path / "straight" / checkpoint.LAST)
     assert CheckpointReader(stopped).path == stopped / checkpoint.LAST  # the sharded one, preferred from now on
 
@@ -680,6 +700,21 @@ def test_a_damaged_checkpoint_is_a_one_line_error(data_dir, tmp_path, two_rank_r
         assert code == 2 and len(lines) == 1, lines
         assert str(damaged) in lines[0] and f"lacks {'shard ' if missing.endswith('distcp') else ''}{missing}" in lines[0]
         assert tree_digest(damaged) == before
+
+
+def test_a_checkpoint_missing_a_nested_key_is_a_one_line_error(data_dir, tmp_path, two_rank_runs, capsys,  # noqa: F811
+                                                                never_trains):
+    """distlm.json edited by hand: resume and export both name the file and the key."""
+    damaged = copy_of(two_rank_runs[0] / "fsdp" / "straight" / checkpoint.LAST, tmp_path / "save")
+    meta = json.loads((damaged / "distlm.json").read_text())
+    del meta["progress"]["num_updates"]
+    (damaged / "distlm.json").write_text(json.dumps(meta))
+    code, lines = run_main(train_args(data_dir, damaged.parent, 2 * HALF, batch=2 * BATCH), capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert f"{damaged / 'distlm.json'} holds no progress.num_updates" in lines[0]
+    assert export.main(["--checkpoint", str(damaged), "--out", str(tmp_path / "out.safetensors")]) == 2
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "holds no progress.num_updates" in message[0], message
 
 
 def test_a_checkpoint_of_another_dictionary_is_a_one_line_error(data_dir, tmp_path, two_rank_runs, capsys,  # noqa: F811
@@ -754,3 +789,16 @@ def test_recover_puts_back_a_checkpoint_stepped_aside_and_removes_the_rest(tmp_p
     commit(tmp_path, checkpoint.LAST)
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.numbered(2), checkpoint.LAST]
     assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "newer"
+
+
+def test_an_epoch_that_ends_on_a_skipped_update_still_gets_its_checkpoint(tmp_path):
+    """Update 4 was saved (checkpoint_4 and checkpoint_last); the next update overflows and
+    ends epoch 2 without moving the count: only the epoch's own name is new."""
+    settings = parse_args(["--save-dir", str(tmp_path), "--save-interval-updates", "4"]).checkpoint
+    saver = Checkpointer(settings, ctx=None, arch=ARCH, task="causal_lm")
+    assert saver.due(4, None, False) == [checkpoint.numbered(4), checkpoint.LAST]
+    saver._saved_at = 4
+    assert saver.due(4, None, False) == []
+    assert saver.due(4, 2, False) == [checkpoint.epoch_name(2)]
+    settings.no_epoch_checkpoints = True
+    assert saver.due(4, 2, False) == []

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from distributed import run_distributed
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
+from distlm.data.indexed_dataset import write_indexed_dataset
+from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -49,7 +53,7 @@ def log_lines(capsys) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
-def test_best_checkpoint_and_patience(data_dir, tmp_path, capsys):
+def test_best_checkpoint_and_patience(data_dir, tmp_path, capsys, caplog):
     """Validation every 2 updates with a learning rate far too high for Adam: validation
     gets worse after its first value, so --patience 1 stops at the second validation, and
     checkpoint_best holds the parameters of the first (those of checkpoint_2)."""
@@ -57,7 +61,8 @@ def test_best_checkpoint_and_patience(data_dir, tmp_path, capsys):
     args += ["--batch-size", "4", "--lr", "0.2", "--warmup-updates", "0", "--clip-norm", "0",
              "--validate-interval-updates", "2", "--save-interval-updates", "2", "--patience", "1",
              "--max-update", "20", "--log-format", "json"]
-    assert main(args) == 0
+    with caplog.at_level("INFO", logger="distlm"):
+        assert main(args) == 0
     lines = log_lines(capsys)
     valid = [line for line in lines if line["kind"] == "valid"]
     assert [line["update"] for line in valid] == [2, 4]
@@ -70,6 +75,41 @@ def test_best_checkpoint_and_patience(data_dir, tmp_path, capsys):
         assert torch.equal(best.tensor(f"model.{name}"), value), name
     # The best value is in checkpoint_last too, so a resumed run keeps comparing against it.
     assert CheckpointReader(tmp_path / "checkpoint_last").meta["progress"]["best"] == best.meta["progress"]["best"]
+    assert any(r.getMessage().startswith("early stop: validation loss has not improved for the last 1 validations")
+               for r in caplog.records)
+    # Resumed with more patience: its first validation is judged against the saved best.
+    assert main(args + ["--max-update", "6", "--patience", "5"]) == 0  # the later flag wins, as in argparse
+    resumed = [line for line in log_lines(capsys) if line["kind"] == "valid"]
+    assert [line["update"] for line in resumed] == [6]
+    assert resumed[0]["best_loss"] == pytest.approx(min(valid[0]["loss"], resumed[0]["loss"]), abs=1e-4)
+
+
+def test_valid_subsets_max_valid_steps_and_a_maximised_metric(data_dir, tmp_path, capsys):
+    """Two subsets, each cut to one batch by --max-valid-steps; the best value follows the
+    first subset, and --maximize-best-checkpoint-metric keeps the largest."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in os.listdir(data_dir):
+        (data / name).symlink_to(os.path.join(data_dir, name))
+    first_five = [np.append(np.arange(4, 4 + n), 2) for n in range(5, 10)]
+    write_indexed_dataset(str(data / "valid1"), first_five, np.uint16)
+    args = [a for a in common_args(str(data), str(tmp_path / "save"), "llama_tiny") if a != "--no-save"] + [
+        "--batch-size", "4", "--batch-size-valid", "2", "--valid-subset", "valid,valid1", "--max-valid-steps", "1",
+        "--validate-interval-updates", "1", "--max-update", "3", "--lr", "0.05", "--warmup-updates", "0",
+        "--maximize-best-checkpoint-metric", "--patience", "2", "--log-format", "json", "--no-save"]
+    trainer = Trainer(parse_args(args))
+    results = trainer.validator.validate(trainer.model)
+    assert [r.subset for r in results] == ["valid", "valid1"]
+    for result in results:  # one batch of 2 samples: their target tokens (the next-token targets of a causal LM)
+        subset = trainer.validator.subsets[result.subset]
+        batch = subset.collate([(0, 0), (0, 1)])
+        assert result.target_tokens == int((batch["targets"] != IGNORE_INDEX).sum())
+    assert main(args) == 0
+    lines = [line for line in log_lines(capsys) if line["kind"] == "valid"]
+    valid = [line for line in lines if line["subset"] == "valid"]
+    assert {line["subset"] for line in lines} == {"valid", "valid1"}
+    for seen in range(1, len(valid) + 1):  # the best is the largest first-subset loss so far
+        assert valid[seen - 1]["best_loss"] == pytest.approx(max(v["loss"] for v in valid[:seen]), abs=1e-4)
 
 
 FAIRSEQ_COMMAND = (
@@ -85,8 +125,10 @@ FAIRSEQ_COMMAND = (
 def test_fairseq_command_line_runs_unchanged_and_builds_fairseqs_model(data_dir, capsys):
     argv = [data_dir if word == "DATA" else word for word in FAIRSEQ_COMMAND.split()]
     trainer = Trainer(parse_args(argv))
-    # What fairseq builds from these flags: roberta_base's vocabulary (50265, GPT-2 BPE)
-    # and 512 positions (+ fairseq's padding offset of 2 rows), 2 layers of width 128:
+    # What fairseq builds from these flags on its GPT-2 BPE data, whose dictionary has
+    # 50265 symbols, roberta_base's published vocabulary, which distlm's roberta_base
+    # carries (this test's smaller dictionary fills the first rows), and 512 positions
+    # (+ fairseq's padding offset of 2 rows), 2 layers of width 128:
     #   embeddings   50265*128 + 514*128 + LayerNorm 2*128         = 6,499,968
     #   per layer    4*(128*128+128) attention + 2*128 LayerNorm
     #                + 128*512+512 + 512*128+128 + 2*128 LayerNorm = 198,272; two: 396,544
@@ -121,7 +163,10 @@ def saved_run(data: str, save_dir, extra=()) -> list[str]:
 
 def test_restore_file_and_the_reset_flags_keep_fairseqs_meaning(data_dir, tmp_path):
     first = tmp_path / "first"
-    assert main(saved_run(data_dir, first, ["--max-update", "4", "--save-interval-updates", "2"])) == 0
+    validated = [a for a in saved_run(data_dir, first, ["--max-update", "4", "--save-interval-updates", "2",
+                                                       "--validate-interval-updates", "2"])
+                 if a != "--disable-validation"]
+    assert main(validated) == 0
     assert (first / "checkpoint_2").is_dir() and (first / "checkpoint_4").is_dir()
     saved = CheckpointReader(first / "checkpoint_2")
     weights = dict(saved.model_tensors())
@@ -132,14 +177,23 @@ def test_restore_file_and_the_reset_flags_keep_fairseqs_meaning(data_dir, tmp_pa
 
     plain = resumed("plain")
     assert plain.resumed_at == 2 and plain.consumed_samples == 2 * 4
+    assert plain.progress.best == saved.meta["progress"]["best"] is not None and plain.progress.train_wall > 0
+    # fairseq: --reset-optimizer loads no optimizer state and restarts the update count,
+    # keeps the data position, and forgets the best validation value.
     fresh_optimizer = resumed("reset_optimizer", "--reset-optimizer")
     assert fresh_optimizer.num_updates == 0 and not fresh_optimizer.optimizer.state
+    assert fresh_optimizer.consumed_samples == 2 * 4 and fresh_optimizer.progress.best is None
     for name, param in fresh_optimizer.model.named_parameters():
         assert torch.equal(param.detach(), weights[name]), name  # the weights are still the checkpoint's
-    restarted = resumed("reset_lr", "--reset-lr-scheduler")
-    assert restarted.num_updates == 2 and restarted.progress.lr_schedule_start == 2
-    record = restarted.train_step(next(restarted.update_batches()))
-    assert record["lr"] == pytest.approx(restarted.schedule.lr_at(1), rel=1e-6)  # warmup begins again
+    # fairseq: --reset-lr-scheduler skips the scheduler's state only; the schedule is a
+    # function of the update count, so the learning rate continues at update 3.
+    continued = resumed("reset_lr", "--reset-lr-scheduler")
+    assert continued.num_updates == 2 and continued.optimizer.state
+    record = continued.train_step(next(continued.update_batches()))
+    assert record["lr"] == pytest.approx(continued.schedule.lr_at(3), rel=1e-6)
+    assert record["lr"] != pytest.approx(continued.schedule.lr_at(1), rel=1e-6)  # not a new warmup
+    meters = resumed("reset_meters", "--reset-meters")
+    assert meters.num_updates == 2 and meters.progress.train_wall == 0 and meters.progress.best is None
     assert resumed("reset_data", "--reset-dataloader").consumed_samples == 0
     with pytest.raises(UsageError, match="--restore-file .*: no checkpoint there"):
         Trainer(parse_args(saved_run(data_dir, tmp_path / "x", ["--restore-file", str(tmp_path / "nothing")])))

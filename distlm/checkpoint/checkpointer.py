@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from distlm.checkpoint import directory, legacy
+from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.state import (
     capture_rng,
     load_full_optimizer_state,
@@ -47,7 +48,6 @@ from distlm.parallel.full_state import load_full_state_dict
 
 logger = logging.getLogger("distlm")
 
-FORMAT_VERSION = 2
 
 
 class CheckpointError(UsageError, RuntimeError):
@@ -67,9 +67,15 @@ class TrainProgress:
     best: float | None = None
     """Best validation value so far (``--best-checkpoint-metric``)."""
     validations_without_improvement: int = 0
-    lr_schedule_start: int = 0
-    """Update at which the learning-rate schedule (re)started (``--reset-lr-scheduler``)."""
     train_wall: float = 0.0
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> TrainProgress:
+        """The progress a checkpoint recorded. Keys this version does not keep are dropped:
+        ``lr_schedule_start``, written by earlier versions, is one (the schedule follows
+        the update count)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in saved.items() if key in known})
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class Checkpointer:
             if settings.finetune_from_model:
                 return self._finetune_source()
             return None
-        meta = legacy.read_meta(path) if legacy.is_legacy(path) else _read_meta(path)
+        meta = legacy.read_meta(path) if legacy.is_legacy(path) else meta_file.read(path)
         if meta.get("arch") != self.arch or meta.get("task") != self.task:
             raise UsageError(
                 f"{path} is a checkpoint of --arch {meta.get('arch')} --task {meta.get('task')}, not --arch "
@@ -181,7 +187,7 @@ class Checkpointer:
             missing = [rank for rank, ok in enumerate(seen) if not ok]
             raise UsageError(f"--finetune-from-model {path}: not a distlm checkpoint on ranks {missing}; "
                              "name a checkpoint directory every rank can read")
-        meta = legacy.read_meta(path) if legacy.is_legacy(path) else _read_meta(path)
+        meta = legacy.read_meta(path) if legacy.is_legacy(path) else meta_file.read(path)
         return Resume(path, meta, weights_only=True)
 
     def announce_last(self) -> None:
@@ -207,17 +213,26 @@ class Checkpointer:
             rng = state["rng"][self.ctx.rank] if len(state["rng"]) == self.ctx.world_size else None
         else:
             rng = self._load_sharded(resume.path, model, optimizer, load_optimizer)
-        progress = TrainProgress(**meta["progress"]) if not weights_only else TrainProgress()
+        progress = TrainProgress.from_saved(meta["progress"]) if not weights_only else TrainProgress()
+        # The reset flags mean what they mean in fairseq. --reset-optimizer also restarts the
+        # update count (and with it the schedule); --reset-optimizer and --reset-meters drop
+        # the best validation value; --reset-lr-scheduler only skips the scheduler's own
+        # state, and distlm's schedules, like fairseq's polynomial_decay, inverse_sqrt and
+        # cosine, have none beyond the update count.
         if not load_optimizer:
             progress = TrainProgress(consumed_samples=progress.consumed_samples, best=progress.best)
         elif scaler is not None and meta.get("scaler") is not None:
             scaler.load_state_dict(meta["scaler"])
-        if settings.reset_lr_scheduler:
-            progress.lr_schedule_start = progress.num_updates
-        if settings.reset_dataloader:
-            progress.consumed_samples = 0
+        if settings.reset_optimizer or settings.reset_meters:
+            progress.best, progress.validations_without_improvement = None, 0
         if settings.reset_meters:
             progress.train_wall = 0.0
+        if settings.reset_dataloader:
+            progress.consumed_samples = 0
+        if settings.reset_lr_scheduler and not weights_only and self.ctx.is_main:
+            logger.info("--reset-lr-scheduler: the learning rate follows the update count (%d)%s, as in fairseq",
+                        progress.num_updates,
+                        "" if settings.reset_optimizer else "; add --reset-optimizer to restart the count and the schedule")
         same_layout = meta.get("world_size") == self.ctx.world_size and meta.get("layout") == self.ctx.layout
         if rng is not None and same_layout and not weights_only:
             restore_rng(rng)
@@ -276,14 +291,17 @@ class Checkpointer:
         (unless ``--no-last-checkpoints``). Nothing is due while the update count has not
         moved since the newest checkpoint (saved or resumed from): a skipped update (fp16
         overflow, the first update of double buffering) or a run that resumes finished
-        would write the same checkpoint again.
+        would write the same checkpoint again. The one exception is an epoch that ends on
+        such an update: its ``checkpoint<epoch>`` is a name not yet written.
         """
-        if not self.enabled or num_updates == self._saved_at:
+        if not self.enabled:
             return []
         settings = self.settings
+        epoch_due = end_of_epoch is not None and end_of_epoch % settings.save_interval == 0
+        if num_updates == self._saved_at:
+            return [directory.epoch_name(end_of_epoch)] if epoch_due and not settings.no_epoch_checkpoints else []
         interval_due = bool(settings.save_interval_updates) and num_updates > 0 and (
             num_updates % settings.save_interval_updates == 0)
-        epoch_due = end_of_epoch is not None and end_of_epoch % settings.save_interval == 0
         names = []
         if interval_due and end_of_epoch is None:
             names.append(directory.numbered(num_updates))
@@ -351,7 +369,7 @@ class Checkpointer:
             "rng": {f"rank{self.ctx.rank}": capture_rng()},
         }
         meta = {
-            "format": FORMAT_VERSION,
+            "format": meta_file.FORMAT_VERSION,
             "arch": self.arch,
             "task": self.task,
             "world_size": self.ctx.world_size,
@@ -452,19 +470,6 @@ def _incomplete(path: Path) -> str | None:
         if not (path / name).is_file():
             return f"{path} lacks {name}; the checkpoint is incomplete (remove it, or name another with --restore-file)"
     return None
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / directory.META_FILE).read_text())
-    except (OSError, ValueError) as err:
-        raise UsageError(f"{path / directory.META_FILE}: not readable ({err}); the checkpoint is damaged") from None
-    if meta.get("format") != FORMAT_VERSION:
-        raise UsageError(f"{path}: checkpoint format {meta.get('format')}, this distlm reads {FORMAT_VERSION}")
-    for key in ("arch", "task", "progress", "world_size", "layout"):
-        if key not in meta:
-            raise UsageError(f"{path / directory.META_FILE} holds no {key!r}; the checkpoint is damaged")
-    return meta
 
 
 def _check_shards_present(path: Path, metadata) -> None:

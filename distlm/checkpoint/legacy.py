@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from distlm.checkpoint import meta as meta_file
 from distlm.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -43,7 +44,7 @@ def read(path: Path) -> dict[str, Any]:
 def read_meta(path: Path) -> dict[str, Any]:
     """The description the sharded format keeps in distlm.json, taken from the old file."""
     state = read(path)
-    return {
+    meta = {
         "arch": state["arch"],
         "task": state["task"],
         "world_size": state["world_size"],
@@ -54,6 +55,8 @@ def read_meta(path: Path) -> dict[str, Any]:
         "config": state.get("config"),
         "tied_weights": _tied(state["model"]),
     }
+    meta_file.check(meta, path)
+    return meta
 
 
 def _tied(model: dict[str, torch.Tensor]) -> dict[str, str]:

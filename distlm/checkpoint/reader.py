@@ -9,7 +9,6 @@ in one pass.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distlm.checkpoint import directory, legacy
+from distlm.checkpoint import meta as meta_file
 from distlm.errors import UsageError
 
 
@@ -49,14 +49,11 @@ class CheckpointReader:
             self.meta = legacy.read_meta(self.path)
             self._tensors: dict[str, TensorStorageMetadata] = {}
         else:
+            self.meta = meta_file.read(self.path)
             try:
-                self.meta = json.loads((self.path / directory.META_FILE).read_text())
                 metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
-            except Exception as err:  # noqa: BLE001 - OSError, bad JSON, or a damaged pickle (anything)
+            except Exception as err:  # noqa: BLE001 - OSError or a damaged pickle (anything)
                 raise UsageError(f"{self.path}: not readable ({err}); the checkpoint is damaged") from None
-            for key in ("arch", "task", "progress"):
-                if key not in self.meta:
-                    raise UsageError(f"{self.path / directory.META_FILE} holds no {key!r}; the checkpoint is damaged")
             self._tensors = {
                 key: value for key, value in metadata.state_dict_metadata.items()
                 if isinstance(value, TensorStorageMetadata)
