@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,13 +139,30 @@ def test_entry_point_process_exits_2_without_traceback():
     assert proc.stderr.strip().splitlines()[-1].startswith("distlm: error: --arch nope")
 
 
-def test_example_configs_parse():
-    from pathlib import Path
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
-    configs = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.toml"))
+
+def test_example_configs_parse():
+    configs = sorted(EXAMPLES.glob("*.toml"))
     assert configs
     for path in configs:
         parse_args(["--config", str(path)])
+
+
+def test_the_roberta_large_config_holds_the_recipes_settings():
+    """examples/roberta_large.toml plus the sbatch recipe's --fp16 --memory-efficient-fp16
+    equal AWS's command line in every setting but where the processes come from."""
+    recipe = parse_args(AWS_ROBERTA_RECIPE).to_dict()
+    config = parse_args(["DATABIN", "--config", str(EXAMPLES / "roberta_large.toml"), "--fp16",
+                         "--memory-efficient-fp16", "--save-dir", "DIR", "--seed", "1"]).to_dict()
+    launch = {"distributed_world_size", "distributed_rank", "distributed_init_method"}
+    for section, values in recipe.items():
+        if not isinstance(values, dict):
+            assert config[section] == values, section
+            continue
+        for name, value in values.items():
+            if name not in launch:
+                assert config[section][name] == value, f"{section}.{name}"
 
 
 @pytest.mark.parametrize(

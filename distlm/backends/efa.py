@@ -20,8 +20,7 @@ from distlm.errors import UsageError
 logger = logging.getLogger(__name__)
 
 # Settings for collectives over EFA (NCCL through the aws-ofi-nccl plugin; the Neuron
-# runtime through libfabric), following AWS's EFA cheatsheet
-# (aws-samples/awsome-distributed-training, 1.architectures/efa-cheatsheet.md) and the
+# runtime through libfabric), following AWS's published EFA guidance and the
 # aws-ofi-nccl maintainers. Only settings that are right on every EFA stack:
 EFA_PRESET: dict[str, str] = {
     # Pin libfabric to the EFA provider. Otherwise a broken EFA install silently falls

@@ -10,8 +10,8 @@ Gradients are averaged over the data-parallel group, exactly as DDP averages the
 (FSDP2 reduce-scatters with ``ReduceOp.AVG``, always in fp32 here: see ``fsdp_dtypes``).
 The trainer's loss factor (dp degree / global target tokens) therefore needs no change.
 
-Checkpoints and export gather the sharded state in distlm/checkpoint.py, under the
-single-device parameter names, whatever strategy wrote it.
+Checkpoints hold these shards as they are (each rank writes and reads its own), under
+the single-device parameter names, whatever strategy wrote them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ DATA=${DATA-/fsx/data/wikibooks-bin}
 SAVE_DIR=${SAVE_DIR:-/fsx/checkpoints/roberta-large-mpi}
 VENV=${VENV-/fsx/envs/distlm}
 ARCH=${ARCH:-roberta_large}
-MAX_UPDATE=${MAX_UPDATE:-500000}
+MAX_UPDATE=${MAX_UPDATE:-500}
 CONFIG=${CONFIG:-examples/roberta_large.toml}
 DEVICE=${DEVICE:-cuda}
 # EFA for NCCL: distlm's preset (logged once; a variable already set wins), no FI_* here.
