@@ -26,6 +26,8 @@ class ParallelDims:
     """How the data-parallel axis holds the model: ddp (replicas), zero1 (replicas,
     sharded optimizer state) or fsdp (everything sharded)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
+    """Each mesh dimension's group, sliced once: a slice builds a new DeviceMesh every time."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -77,10 +79,15 @@ class ParallelDims:
         if not self.tp_enabled:
             # The world group itself: no extra gloo communicator to set up.
             return dist.group.WORLD
-        return mesh["dp"].get_group()
+        return self._group(mesh, "dp")
 
     def tp_group(self, device_type: str) -> dist.ProcessGroup | None:
         """The ranks holding one replica's tensor-parallel shards; None without tensor parallel."""
         if not self.tp_enabled:
             return None
-        return self.build_mesh(device_type)["tp"].get_group()
+        return self._group(self.build_mesh(device_type), "tp")
+
+    def _group(self, mesh: DeviceMesh, name: str) -> dist.ProcessGroup:
+        if name not in self._groups:
+            self._groups[name] = mesh[name].get_group()
+        return self._groups[name]

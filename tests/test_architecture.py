@@ -12,9 +12,11 @@ import torch
 
 import distlm
 from distlm import choices
+from distlm.backends.registry import BACKENDS
 from distlm.config import build_parser, parse_args
 from distlm.errors import UsageError
 from distlm.trainer import Trainer
+from distributed import run_distributed
 from test_ddp import common_args
 
 PACKAGE = Path(distlm.__file__).parent
@@ -33,6 +35,8 @@ def test_every_set_of_choices_is_declared_once_and_used_by_the_command_line():
         assert f"Choices: {', '.join(allowed)}." in actions[name].help, name
         with pytest.raises(UsageError, match=f"--{name.replace('_', '-')} nonsense is not one of"):
             parse_args([f"--{name.replace('_', '-')}", "nonsense"])
+    # A registry keyed by choices offers exactly them.
+    assert set(BACKENDS) == set(choices.DEVICES) - {"auto"}
     # No module but choices.py spells out one of these sets again.
     for path, tree in _modules():
         if path.name == "choices.py":
@@ -113,19 +117,43 @@ def counting_host_syncs(counter: list[str], host_resident: set[int]):
             setattr(torch.Tensor, name, original)
 
 
-@pytest.mark.parametrize("extra", [[], ["--update-freq", "3"], ["--strategy", "fsdp"]], ids=["plain", "accumulating", "fsdp"])
-def test_one_host_synchronisation_per_update(data_dir, tmp_path, extra):
-    """The gradient norm's finite check is the one; the token count stays on the device
-    and statistics wait for the log line."""
-    trainer = Trainer(parse_args(common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", *extra]))
+def host_syncs_per_update(args: list[str]) -> list[list[str]]:
+    """The host synchronisations of two updates after the first (which allocates the
+    optimizer's state), each a list of the Tensor methods that synchronised."""
+    trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
-    trainer.train_step(next(batches))  # the first update allocates the optimizer's state
+    trainer.train_step(next(batches))
     # torch's AdamW keeps its step counters on the host (unless capturable), so reading
     # them never waits for a device.
     steps = {id(state["step"]) for state in trainer.optimizer.state.values()}
+    per_update = []
     for _ in range(2):
         micro_batches = next(batches)  # prepared on the host before the update starts
         syncs: list[str] = []
         with counting_host_syncs(syncs, steps):
             trainer.train_step(micro_batches)
+        per_update.append(syncs)
+    return per_update
+
+
+def host_syncs_of_layouts(layouts: list[list[str]]) -> list[list[list[str]]]:
+    return [host_syncs_per_update(args) for args in layouts]
+
+
+@pytest.mark.parametrize("extra", [[], ["--update-freq", "3"]], ids=["plain", "accumulating"])
+def test_one_host_synchronisation_per_update(data_dir, tmp_path, extra):
+    """The gradient norm's finite check is the one; the token count stays on the device
+    and statistics wait for the log line."""
+    for syncs in host_syncs_per_update(common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", *extra]):
         assert len(syncs) <= 1, syncs
+
+
+def test_one_host_synchronisation_per_update_under_every_strategy(data_dir, tmp_path):
+    """The same on 2 ranks for ddp, fsdp and tensor parallel, whose global token count and
+    gradient norm are collectives."""
+    args = common_args(data_dir, str(tmp_path)) + ["--batch-size", "2"]
+    layouts = [args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"]]
+    for rank in run_distributed(host_syncs_of_layouts, 2, layouts):
+        for layout, per_update in zip(["ddp", "fsdp", "tp2"], rank):
+            for syncs in per_update:
+                assert len(syncs) <= 1, (layout, syncs)
