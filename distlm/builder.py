@@ -4,9 +4,10 @@
 is allocated; ``build_model_for_run`` builds it for the layout. Under FSDP or tensor
 parallel the model stays on the meta device until parallelism has cut it into shards:
 rank 0 then initialises it once on the host and every rank receives only its own
-shards (``parallel.api.materialise``), or, from a Hugging Face directory, every rank
-fills its own shards one tensor at a time. Otherwise every rank builds the whole model
-the same way (same seed, or the same files).
+shards (``parallel.api.materialise``); from a Hugging Face directory, every rank reads
+only its own shards from the files, one tensor at a time; and when a checkpoint will
+be loaded (a resume), every rank only allocates its shards, for the checkpoint to fill.
+Otherwise every rank builds the whole model the same way (same seed, or the same files).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from distlm.config import ModelConfig, TrainConfig, arch_overrides
 from distlm.data import load_lm_data
@@ -27,7 +29,7 @@ from distlm.memory import memory_report
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models import ARCHS
-from distlm.models.hf import SpecialTokens, adapter_for_hf, io
+from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.registry import FAMILIES
 from distlm.parallel.api import ParallelOptions
 from distlm.parallel.names import single_device_name
@@ -145,7 +147,7 @@ class ModelBuild:
     whole_model: Callable[[], nn.Module] | None = None
     """Rank 0's whole initialised copy on the host, to fill the shards of a meta model."""
     fill_shards: Callable[[nn.Module], None] | None = None
-    """Fills a parallelised meta model's shards in place, each rank its own (Hugging Face weights)."""
+    """Fills a parallelised model's freshly allocated shards in place, each rank its own."""
 
 
 def build_model_for_run(
@@ -157,21 +159,36 @@ def build_model_for_run(
     param_dtype: torch.dtype,
     seed: int,
     user_model: nn.Module | None = None,
-    load_hf_weights: bool = True,
+    weights_from_checkpoint: bool = False,
 ) -> ModelBuild:
-    """``load_hf_weights=False`` (a resumed run) builds a Hugging Face model without reading its weights."""
+    """The model of the run, built for the layout (see the module docstring).
+
+    ``weights_from_checkpoint``: a resumed run, whose checkpoint then loads every
+    parameter (the load refuses a checkpoint that lacks one). The model is only allocated,
+    each rank its own shards, and its derived buffers computed: it is neither initialised
+    from the seed, nor read from ``--init-from-hf``, nor broadcast from rank 0.
+    """
     if user_model is not None:
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
         return ModelBuild(model.to(device=device, dtype=param_dtype))
     model = spec.build(vocab_size, padding_idx)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
-    from_hf = spec.hf_dir is not None and load_hf_weights
+    from_hf = spec.hf_dir is not None
     if not sharded:
-        model = _from_hf(model, spec, device, param_dtype) if from_hf else _initialised(model, device, param_dtype, seed)
-        return ModelBuild(model)
+        if weights_from_checkpoint:
+            model.to_empty(device=device)
+            _compute_buffers(model)
+        elif from_hf:
+            model.to_empty(device=device)
+            _fill_shards_from_hf(model, spec)
+        else:
+            model = _initialised(model, device, param_dtype, seed)
+        return ModelBuild(model.to(dtype=param_dtype))
     model = model.to(dtype=param_dtype)  # still meta: no memory yet
+    if weights_from_checkpoint:
+        return ModelBuild(model, fill_shards=_compute_buffers)
     if from_hf:
-        return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec, device))
+        return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
 
     def whole_model() -> nn.Module:
         return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
@@ -188,44 +205,46 @@ def _initialised(model: nn.Module, device: torch.device, param_dtype: torch.dtyp
     return model.to(dtype=param_dtype)
 
 
-def _from_hf(model: nn.Module, spec: ModelSpec, device: torch.device, param_dtype: torch.dtype) -> nn.Module:
-    model.to_empty(device=device)
-    _fill_shards_from_hf(model, spec, device)
-    return model.to(dtype=param_dtype)
+def _compute_buffers(model: nn.Module) -> None:
+    """The buffers a checkpoint does not hold (they derive from the config: Llama's rotary
+    tables); the parameters are left to the checkpoint. Draws nothing from the RNG."""
+    model.init_buffers()
 
 
 @torch.no_grad()
-def _fill_shards_from_hf(model: nn.Module, spec: ModelSpec, device: torch.device) -> None:
-    """Each parameter's local shard from the Hugging Face files, one whole tensor at a time.
+def _fill_shards_from_hf(model: nn.Module, spec: ModelSpec) -> None:
+    """Each parameter's local shard from the Hugging Face files, one tensor at a time.
 
-    A rank never holds more than its own shards plus the one tensor being converted
-    (the q/k permutation and RoBERTa's folded token types need the whole tensor).
-    Vocabulary rows beyond the data's dictionary are the model's own, as published.
+    A rank reads only the part of each tensor that its shard holds (the rows and columns
+    of a DTensor's local shard; whole tensors where it holds them whole), so it never
+    holds more than its own shards plus that one part. Vocabulary rows beyond the data's
+    dictionary are the model's own, as published.
     """
-    if _is_meta(model):
-        model.to_empty(device=device)
-    adapter = adapter_for_hf(spec.hf_config)
-    config = spec.config
     with io.SafetensorsWeights(spec.hf_dir) as weights:
-        fetch = _checked_fetch(weights, spec.hf_dir)
+        load = tensor_loader(spec.hf_dir, spec.config, weights)
         for name, param in model.named_parameters():
-            whole = adapter.import_tensor(config, single_device_name(name), fetch)
+            name = single_device_name(name)
             if isinstance(param, DTensor):
-                local = distribute_tensor(whole.to(device), param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
+                local = param.to_local()
+                if local.numel():  # an uneven split can leave a rank no rows at all
+                    local.copy_(load(name, _local_region(param)))
             else:
-                param.copy_(whole)
+                param.copy_(load(name))
     model.init_buffers()  # derived from the config (rotary tables), never saved
 
 
-def _checked_fetch(weights: Any, directory: Path) -> Callable[[str], torch.Tensor]:
-    def fetch(hf_name: str) -> torch.Tensor:
-        try:
-            return weights[hf_name]
-        except KeyError:
-            raise UsageError(f"--init-from-hf {directory}: no tensor {hf_name} in the safetensors files") from None
+def _local_region(param: DTensor) -> tuple[slice, ...]:
+    """The part of the whole tensor that this rank's shard of ``param`` holds.
 
-    return fetch
+    One box per rank, as torch.distributed.checkpoint also assumes when it reads a
+    DTensor's shard: distlm's layouts (FSDP's row shards, tensor parallel's row or column
+    shards, and FSDP's shards of those) each give every rank one contiguous block.
+    """
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        raise RuntimeError(f"the shard of {tuple(param.shape)} on this rank is {tuple(param.to_local().shape)}, "
+                           f"not the {tuple(shape)} its placements {param.placements} give")
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
 def _is_meta(model: nn.Module) -> bool:

@@ -68,7 +68,7 @@ class Trainer:
         build = build_model_for_run(
             self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
             self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
-            load_hf_weights=resume is None or resume.weights_only,
+            weights_from_checkpoint=resume is not None,
         )
         self.model_inputs = ModelInputs.of(build.model, self.task)
         self.fixed_length = config.data.tokens_per_sample if (

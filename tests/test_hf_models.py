@@ -32,6 +32,7 @@ from distlm.models.hf import (
     load_hf_model,
     roberta as hf_roberta,
     save_hf_model,
+    tensor_loader,
 )
 from distlm.models.hf.io import SafetensorsWeights, parse_size
 from distlm.models.llama import llama3_scaled_frequencies, rotary_tables
@@ -354,6 +355,53 @@ def test_reader_serves_the_sharded_source_by_name(llama):
         name = "model.layers.1.mlp.down_proj.weight"
         assert torch.equal(weights[name], llama.original.state_dict()[name])
         assert torch.equal(weights.get_slice(name)[2:5], weights[name][2:5])
+
+
+def shard_regions(shape: torch.Size) -> list[tuple[slice, ...]]:
+    """Blocks as ranks hold them: uneven thirds of the rows (cutting through attention
+    heads), each whole or split into halves of the columns."""
+    rows = shape[0]
+    cuts = [0, rows // 3 + 1, 2 * rows // 3 + 1, rows]
+    row_blocks = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+    if len(shape) == 1:
+        return [(block,) for block in row_blocks]
+    half = shape[1] // 2
+    return [(block, columns) for block in row_blocks
+            for columns in (slice(0, shape[1]), slice(0, half), slice(half, shape[1]))]
+
+
+@pytest.mark.parametrize("family", ["llama", "roberta"])
+def test_a_shard_is_read_alone_and_equals_that_part_of_the_whole(family, request):
+    """``tensor_loader``'s regions (a rank's shard of each tensor) equal the same region of
+    the whole imported tensor, and read from the files only that region, plus the whole
+    heads the region's rows touch for Llama's rotary-permuted q/k and RoBERTa's one
+    token-type row."""
+    trip = request.getfixturevalue(family)
+    config = trip.model.config
+    read: list[int] = []
+    with SafetensorsWeights(trip.source) as weights:
+        original_read = weights.read
+
+        def counted(hf_name, region):
+            tensor = original_read(hf_name, region)
+            read.append(tensor.numel())
+            return tensor
+
+        weights.read = counted
+        load = tensor_loader(trip.source, config, weights)
+        for name, whole in trip.model.state_dict().items():
+            for region in shard_regions(whole.shape):
+                read.clear()
+                part = load(name, region)
+                assert torch.equal(part, whole[region]), (name, region)
+                columns = part.shape[1] if part.dim() == 2 else 1
+                if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                    allowance = 2 * (config.head_dim - 1) * columns  # a partial head at each end
+                elif name == "embed_positions.weight":
+                    allowance = columns  # the token-type row
+                else:
+                    allowance = 0
+                assert part.numel() <= sum(read) <= part.numel() + allowance, (name, region, read)
 
 
 @pytest.mark.parametrize("size", ["5GB", "500MB", "10KB", "2GiB", "3MiB", "1KiB", "5Gb", "80kb", 12345])

@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
+from distlm import checkpoint
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.export import main as export_main
-from distlm.models.hf import load_hf_model
+from distlm.models.hf import io, load_hf_model
 from distlm.parallel.full_state import consolidated_parameters
+from distlm.train import main as train_main
 from distlm.trainer import Trainer
 from test_ddp import common_args
 from test_hf_models import LLAMA_SETTINGS, ROBERTA_SETTINGS, perturbed
@@ -54,11 +57,41 @@ def hf_args(data: str, save_dir: str, hf_dir: str, task: str) -> list[str]:
 
 
 def initial_parameters(runs: list[tuple[str, list[str]]]) -> dict[str, dict]:
-    """Every parameter whole, before any update, for each (name, args) run."""
-    return {name: consolidated_parameters(Trainer(parse_args(args)).model) for name, args in runs}
+    """For each (name, args) run: every parameter whole, before any update; the elements
+    this rank read from the safetensors files; and the elements of its own shards."""
+    read = count_safetensors_reads()
+    results = {}
+    for name, args in runs:
+        read.clear()
+        model = Trainer(parse_args(args)).model
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+        results[name] = {"params": consolidated_parameters(model), "read": sum(read), "held": held}
+    return results
+
+
+def count_safetensors_reads(monkeypatch=None) -> list[int]:
+    """From now on (in a spawned worker) or until the test ends (``monkeypatch``), the
+    elements of each tensor, or part of one, read from safetensors files: whole tensors and
+    parts alike go through ``SafetensorsWeights.read``."""
+    counts: list[int] = []
+    original = io.SafetensorsWeights.read
+
+    def read(weights, name, region=None):
+        tensor = original(weights, name, region)
+        counts.append(tensor.numel())
+        return tensor
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(io.SafetensorsWeights, "read", read)
+    else:
+        io.SafetensorsWeights.read = read
+    return counts
 
 
 def test_init_from_hf_loads_the_weights_exactly_under_every_layout(data_dir, hf_dirs, tmp_path):
+    """Exact weights under ddp, fsdp and zero1 x tp 2 on 4 ranks; a rank of a sharded layout
+    reads from the files about its own shards (plus the whole heads its rows of q/k touch,
+    and RoBERTa's token-type row), not the whole model."""
     runs = []
     for family, task in (("llama", "causal_lm"), ("roberta", "masked_lm")):
         base = hf_args(data_dir, str(tmp_path / family), hf_dirs[family], task) + ["--no-save"]
@@ -67,12 +100,21 @@ def test_init_from_hf_loads_the_weights_exactly_under_every_layout(data_dir, hf_
     ranks = run_distributed(initial_parameters, 4, runs, timeout=240)
     for family in ("llama", "roberta"):
         expected = dict(load_hf_model(hf_dirs[family])[0].named_parameters())
+        total = sum(value.numel() for value in expected.values())
+        token_type_row = ROBERTA_SETTINGS["hidden_size"] if family == "roberta" else 0  # folded into the positions
         for layout in ("ddp", "fsdp", "zero1-tp2"):
             for rank in ranks:
-                loaded = rank[f"{family}-{layout}"]
-                assert loaded.keys() == expected.keys(), (family, layout)
+                run = rank[f"{family}-{layout}"]
+                assert run["params"].keys() == expected.keys(), (family, layout)
                 for name, value in expected.items():
-                    assert torch.equal(loaded[name], value.detach()), (family, layout, name)
+                    assert torch.equal(run["params"][name], value.detach()), (family, layout, name)
+                if layout == "ddp":
+                    assert run["held"] == run["read"] - token_type_row == total, (family, run["held"], run["read"])
+                else:
+                    assert run["held"] <= run["read"] <= 1.25 * run["held"], (family, layout, run["held"], run["read"])
+        # fsdp on 4 ranks: a quarter each; tp 2: half each, plus the replicated norms (and RoBERTa's biases).
+        assert all(rank[f"{family}-fsdp"]["read"] < 0.3 * total for rank in ranks), family
+        assert all(rank[f"{family}-zero1-tp2"]["read"] < 0.6 * total for rank in ranks), family
 
 
 def save_initial_checkpoint(args: list[str]) -> None:
@@ -165,3 +207,60 @@ def test_hf_settings_distlm_cannot_run_are_refused_by_name(data_dir, hf_dirs, tm
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 16}))
     with pytest.raises(UsageError, match="dictionary has 44 symbols but hf_llama has a vocabulary of 16"):
         Trainer(parse_args(hf_args(data_dir, str(tmp_path), str(small), "causal_lm") + ["--no-save"]))
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"attention_bias": True}, "attention_bias=True: distlm's Llama attention projections have no bias"),
+        ({"mlp_bias": True}, "mlp_bias=True: distlm's Llama feed-forward projections have no bias"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+         "rope_scaling.rope_type='yarn': distlm implements the rope types default and llama3 only"),
+        ({"model_type": "gpt2"}, "model_type='gpt2': distlm converts only llama (LlamaForCausalLM)"),
+    ],
+    ids=["attention_bias", "mlp_bias", "rope_type", "model_type"],
+)
+def test_train_refuses_hf_settings_distlm_cannot_run_with_exit_2_and_one_line(
+    change, refusal, data_dir, hf_dirs, tmp_path, capsys
+):
+    """Through the command line's entry point: exit status 2, one line naming the setting,
+    no traceback, and no update trained."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    config = json.loads((Path(hf_dirs["llama"]) / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    (hf_dir / "model.safetensors").symlink_to(Path(hf_dirs["llama"]) / "model.safetensors")
+    code = train_main(hf_args(data_dir, str(tmp_path / "run"), str(hf_dir), "causal_lm") + ["--no-save"])
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("distlm: error:")]
+    assert code == 2 and len(errors) == 1, captured.err
+    assert errors[0].startswith(f"distlm: error: config.json {refusal}"), errors
+    assert "Traceback" not in captured.err and '"kind": "train"' not in captured.out
+
+
+def test_a_checkpoint_in_save_dir_takes_precedence_over_init_from_hf(data_dir, hf_dirs, tmp_path, caplog, monkeypatch):
+    """The first run starts from the Hugging Face weights and says so; the second finds its
+    checkpoint, resumes from it and says so, and reads nothing from --init-from-hf."""
+    reads = count_safetensors_reads(monkeypatch)
+    save_dir = tmp_path / "run"
+    args = hf_args(data_dir, str(save_dir), hf_dirs["llama"], "causal_lm")
+    with caplog.at_level("INFO", logger="distlm"):
+        Trainer(parse_args(args + ["--max-update", "2"])).fit()
+        first = [record.getMessage() for record in caplog.records]
+        assert sum(reads) > 0
+        reads.clear()
+        caplog.clear()
+        resumed = Trainer(parse_args(args + ["--max-update", "4"]))
+        second = [record.getMessage() for record in caplog.records]
+    assert f"starting from the weights in --init-from-hf {hf_dirs['llama']}" in first
+    assert resumed.resumed_at == 2 and reads == []
+    assert any(line.startswith(f"resumed from {save_dir / checkpoint.LAST} at update 2 ") for line in second), second
+    assert not any(line.startswith("starting from") for line in second), second
+    # The weights are the checkpoint's, two updates away from the Hugging Face ones.
+    saved = CheckpointReader(save_dir)
+    params = consolidated_parameters(resumed.model)
+    hf_params = dict(load_hf_model(hf_dirs["llama"])[0].named_parameters())
+    assert params.keys() == hf_params.keys()
+    for name, value in params.items():
+        assert torch.equal(value, saved.tensor(f"model.{name}")), name
+    assert not torch.equal(params["output.weight"], hf_params["output.weight"])

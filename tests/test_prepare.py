@@ -286,6 +286,49 @@ def test_training_on_prepared_data_lowers_the_loss(prepared, capsys):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.parametrize("arch", ["llama_tiny", "roberta_tiny"])
+def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared, reference, tokenizer_dir, tmp_path):
+    """prepare -> 2 updates -> ``python -m distlm.export --hf``: the export carries the
+    tokenizer, and transformers' AutoTokenizer of it encodes a document's text to the ids
+    the pipeline wrote for it (less the end-of-document token it appends, which is not
+    part of the text) and to exactly the ids the model saw for it: for a causal LM the
+    text alone (neither side adds a bos), for a masked LM ``<s>`` text ``</s>``."""
+    transformers = pytest.importorskip("transformers")
+    from distlm.config import parse_args
+    from distlm.export import main as export_main
+    from distlm.trainer import Trainer
+
+    out, _ = prepared
+    save_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    Trainer(parse_args([
+        "--data", str(out), "--arch", arch, "--tokens-per-sample", "32", "--batch-size", "2", "--max-update", "2",
+        "--disable-validation", "--save-dir", str(save_dir), "--device", "cpu", "--log-interval", "1000",
+    ])).fit()
+    assert export_main(["--checkpoint", str(save_dir), "--hf", str(hf_dir)]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (hf_dir / name).read_bytes() == (tokenizer_dir / name).read_bytes()
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+
+    task = "causal_lm" if arch == "llama_tiny" else "masked_lm"
+    # One document per sample, so sample i is document i of the split as the model sees it.
+    data = load_lm_data(out, "train", task, tokens_per_sample=4096, sample_break_mode="eos")
+    eos = reference.token_to_id("</s>")
+    checked = 0
+    for index, written in enumerate(read_split(out, "train")[:40]):
+        written = written.tolist()
+        text = reference.decode(written, skip_special_tokens=True)
+        if "</s>" in text or "<mask>" in text:
+            continue  # the pipeline encodes a special token's spelling as text, transformers as the token
+        encoded = auto(text)["input_ids"]
+        inputs, targets = data.sample(0, index)
+        seen = np.where(targets != -100, targets, inputs) if task == "masked_lm" else inputs  # masks undone
+        assert encoded == seen.tolist(), (index, text)
+        assert written[-1] == eos
+        assert (encoded if task == "causal_lm" else encoded[1:-1]) == written[:-1], (index, text)
+        checked += 1
+    assert checked >= 30
+
+
 # --------------------------------------------------------------------- bad input
 
 

@@ -1,7 +1,9 @@
 """Exact resume: 10 updates straight equal 5, a stop, a resume and 5 more, bit for bit.
 
 Dropout is on, so this also proves that every rank's RNG state, the data position and
-the optimizer and scheduler state are restored exactly.
+the optimizer and scheduler state are restored exactly. Each resumed run is checked to
+have resumed (at the saved update): one that silently started afresh with the same seed
+would otherwise reach the same weights.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from distlm.config import parse_args
 from distlm.trainer import Trainer
 
 
-def fit(args: list[str]) -> None:
-    Trainer(parse_args(args)).fit()
+def fit(args: list[str]) -> int | None:
+    """Train; return the update the run resumed at (None: a fresh start)."""
+    trainer = Trainer(parse_args(args))
+    trainer.fit()
+    return trainer.resumed_at
 
 
 def args_for(data: str, save_dir: Path, max_update: int, extra: list[str] = ()) -> list[str]:
@@ -44,18 +49,60 @@ def assert_identical(a: dict, b: dict) -> None:
 
 
 def test_resume_is_exact_single_process(data_dir, tmp_path):
-    fit(args_for(data_dir, tmp_path / "straight", 10))
-    fit(args_for(data_dir, tmp_path / "stopped", 5))
+    assert fit(args_for(data_dir, tmp_path / "straight", 10)) is None
+    assert fit(args_for(data_dir, tmp_path / "stopped", 5)) is None
     assert final_state(tmp_path / "stopped")["num_updates"] == 5
-    fit(args_for(data_dir, tmp_path / "stopped", 10))
+    assert fit(args_for(data_dir, tmp_path / "stopped", 10)) == 5
     assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
 
 
 def test_resume_is_exact_with_ddp_and_accumulation(data_dir, tmp_path):
     extra = ["--update-freq", "2", "--save-interval-updates", "5"]
-    run_distributed(fit, 2, args_for(data_dir, tmp_path / "straight", 10, extra))
-    run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 5, extra))
-    run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 10, extra))
+    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "straight", 10, extra)) == [None, None]
+    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 5, extra)) == [None, None]
+    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 10, extra)) == [5, 5]
     assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
     # The numbered checkpoint of update 5 is the one the resume started from.
     assert checkpoint.load(tmp_path / "straight" / checkpoint.numbered(5))["num_updates"] == 5
+
+
+def fit_counting_whole_models(runs: list[list[str]]) -> list[dict]:
+    """``fit`` each run; also count, per run on this rank, the whole models initialised
+    from the seed and the materialisations and broadcasts of rank 0's weights."""
+    import distlm.builder
+    import distlm.parallel.api
+
+    calls: dict[str, int] = {}
+
+    def counted(module, name):
+        original = getattr(module, name)
+
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(module, name, call)
+
+    counted(distlm.builder, "_initialised")
+    counted(distlm.parallel.api, "materialise")
+    counted(distlm.parallel.api, "broadcast_from_rank0")
+    results = []
+    for args in runs:
+        calls.clear()
+        results.append({"resumed_at": fit(args), **calls})
+    return results
+
+
+def test_fsdp_resume_builds_no_whole_model_and_is_exact(data_dir, tmp_path):
+    """Under fsdp on 2 ranks a fresh run initialises the whole model on rank 0 only and
+    hands each rank its shards; a resumed one allocates only its own shards for the
+    checkpoint to fill (no rank builds or receives a whole model), and still continues
+    bit for bit."""
+    fsdp = ["--strategy", "fsdp", "--disable-validation"]
+    runs = [args_for(data_dir, tmp_path / "straight", 4, fsdp), args_for(data_dir, tmp_path / "stopped", 2, fsdp),
+            args_for(data_dir, tmp_path / "stopped", 4, fsdp)]
+    ranks = run_distributed(fit_counting_whole_models, 2, runs)
+    fresh = {"resumed_at": None, "materialise": 1}
+    assert [rank[:2] for rank in ranks] == [[{**fresh, "_initialised": 1}] * 2, [fresh] * 2]
+    assert [rank[2] for rank in ranks] == [{"resumed_at": 2}] * 2
+    assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))

@@ -69,7 +69,9 @@ def parallelize(
 
     A model on the meta device is materialised last, shard by shard: from
     ``whole_model()`` (called on rank 0 only; see ``materialise``), or by
-    ``fill_shards(model)``, which fills each rank's own shards in place.
+    ``fill_shards(model)``, which fills each rank's own shards in place once they are
+    allocated (from Hugging Face files, or only the derived buffers when a checkpoint
+    will load the parameters).
     """
     mesh = dims.build_mesh(device.type)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
@@ -110,6 +112,7 @@ def parallelize(
     if whole_model is not None:
         materialise(model, device, whole_model, cpu_offload=options.cpu_offload)
     elif fill_shards is not None:
+        allocate(model, device, cpu_offload=options.cpu_offload)
         fill_shards(model)
     if (whole_model is not None or fill_shards is not None) and dims.tp_enabled:
         shard_gradients_like_parameters(model)  # apply_tp left them to after materialising
@@ -138,14 +141,8 @@ def materialise(
     whatever the layout, which initialising each shard from its own random stream could
     not give. Buffers, including those checkpoints do not carry (Llama's rotary tables),
     are broadcast too: parallelism leaves them whole, in the same order on every rank.
-    With ``cpu_offload`` FSDP wants its parameter shards on the host (it refuses them on
-    the device at the first forward) and the buffers on the device, where compute runs.
     """
-    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
-    if cpu_offload:
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                module._buffers[name] = buffer.to(device)
+    allocate(model, device, cpu_offload=cpu_offload)
     whole = whole_model() if dist.get_rank() == 0 else None
     load_full_state_dict(model, whole.state_dict() if whole is not None else {}, from_rank0=True)
     buffers = dict(whole.named_buffers()) if whole is not None else {}
@@ -154,6 +151,19 @@ def materialise(
             buffer.copy_(buffers[single_device_name(name)])
         dist.broadcast(buffer, src=0)
     logger.info("materialised the model shard by shard from rank 0's initialisation")
+
+
+def allocate(model: nn.Module, device: torch.device, *, cpu_offload: bool = False) -> None:
+    """Memory for this rank's shards and the buffers of a parallelised meta model, uninitialised.
+
+    With ``cpu_offload`` FSDP wants its parameter shards on the host (it refuses them on
+    the device at the first forward) and the buffers on the device, where compute runs.
+    """
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ One adapter module per model, the single place where its mapping details live:
 ``config_to_hf(config, tokens, dtype)``       -> the ``config.json`` dict
 ``generation_config(tokens)``                 -> the ``generation_config.json`` dict, or None (masked LM)
 ``import_tensor(config, name, fetch)``        -> distlm tensor ``name``, from the tensors ``fetch(hf_name)`` returns
+``import_part(config, name, read, region)``   -> that tensor's ``region`` only (a rank's shard), reading little more
 ``export_tensors(config, name, tensor)``      -> the (hf_name, tensor) pairs made from one distlm tensor
 
 Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).
@@ -22,14 +23,14 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from distlm.errors import UsageError
 from distlm.models.hf import io, llama, roberta
-from distlm.models.hf.common import Fetch, SpecialTokens, refuse
+from distlm.models.hf.common import Fetch, Region, SpecialTokens, refuse
 
 logger = logging.getLogger("distlm")
 
@@ -45,6 +46,7 @@ __all__ = [
     "hf_tensor_specs",
     "load_hf_model",
     "save_hf_model",
+    "tensor_loader",
     "write_hf_directory",
 ]
 
@@ -110,25 +112,14 @@ def load_hf_model(
     config, tokens = adapter.config_from_hf(hf_config)
     with torch.device("meta"):
         model = adapter.MODEL_CLASS(config)
-    expected = {hf_name: spec.shape for hf_name, (spec, _) in hf_tensor_specs(config, model.state_dict()).items()}
     model.to_empty(device=device)
     model.to(dtype=dtype)
     used: set[str] = set()
     with io.SafetensorsWeights(directory) as weights:
-
-        def fetch(hf_name: str) -> torch.Tensor:
-            tensor = weights[hf_name]
-            used.add(hf_name)
-            if hf_name in expected and tuple(tensor.shape) != expected[hf_name]:
-                raise UsageError(
-                    f"{directory}: tensor {hf_name} has shape {list(tensor.shape)}, but config.json "
-                    f"implies {list(expected[hf_name])}"
-                )
-            return tensor
-
+        load = tensor_loader(directory, config, weights, used)
         with torch.no_grad():
             for name, tensor in model.state_dict().items():
-                tensor.copy_(_import(adapter, config, name, fetch, directory))
+                tensor.copy_(load(name))
         unused = sorted(set(weights) - used)
     model.init_buffers()
     if unused:
@@ -137,14 +128,44 @@ def load_hf_model(
     return model, tokens
 
 
-def _import(adapter: ModuleType, config: Any, name: str, fetch: Fetch, directory: Path) -> torch.Tensor:
-    try:
-        return adapter.import_tensor(config, name, fetch)
-    except KeyError as missing:
-        raise UsageError(
-            f"{directory}: no tensor {missing.args[0]} (distlm's {name} is made from it); "
-            f"the weights are not those of the {adapter.ARCHITECTURE} config.json describes"
-        ) from None
+def tensor_loader(
+    directory: str | Path, config: Any, weights: io.SafetensorsWeights, used: set[str] | None = None
+) -> Callable[[str, Region | None], torch.Tensor]:
+    """``load(name, region=None)``: distlm tensor ``name`` of a ``config`` model, or only its
+    ``region`` (a rank's shard, one slice per dimension), read from the open ``weights`` of
+    ``directory``. A region reads little more than itself from disk (see each adapter's
+    ``import_part``).
+
+    Each Hugging Face tensor's shape is checked against the one ``config`` implies before
+    any of it is read; a tensor missing or misshapen is a UsageError naming it. ``used``
+    collects the Hugging Face names read.
+    """
+    directory = Path(directory)
+    adapter = adapter_for(config)
+    with torch.device("meta"):
+        shapes_of = adapter.MODEL_CLASS(config).state_dict()
+    expected = {hf_name: spec.shape for hf_name, (spec, _) in hf_tensor_specs(config, shapes_of).items()}
+
+    def read(hf_name: str, region: Region | None) -> torch.Tensor:
+        shape = tuple(weights.get_slice(hf_name).get_shape())  # the header only; KeyError when absent
+        if hf_name in expected and shape != expected[hf_name]:
+            raise UsageError(
+                f"{directory}: tensor {hf_name} has shape {list(shape)}, but config.json implies {list(expected[hf_name])}"
+            )
+        if used is not None:
+            used.add(hf_name)
+        return weights.read(hf_name, region)
+
+    def load(name: str, region: Region | None = None) -> torch.Tensor:
+        try:
+            return adapter.import_part(config, name, read, region)
+        except KeyError as missing:
+            raise UsageError(
+                f"{directory}: no tensor {missing.args[0]} (distlm's {name} is made from it); "
+                f"the weights are not those of the {adapter.ARCHITECTURE} config.json describes"
+            ) from None
+
+    return load
 
 
 def write_hf_directory(

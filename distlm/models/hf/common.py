@@ -1,5 +1,5 @@
-"""What the per-model adapters share: special token ids, the tensor-fetch signature,
-and one-line refusals of Hugging Face settings distlm cannot represent."""
+"""What the per-model adapters share: special token ids, the tensor-fetch and part-read
+signatures, and one-line refusals of Hugging Face settings distlm cannot represent."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ from distlm.errors import UsageError
 
 Fetch = Callable[[str], torch.Tensor]
 """Returns the tensor of the given name; raises KeyError when there is none."""
+
+Region = tuple[slice, ...]
+"""Part of a tensor: one slice per dimension, with explicit start and stop (a rank's shard)."""
+
+Read = Callable[[str, Region | None], torch.Tensor]
+"""``read(hf_name, region)`` returns ``tensor[region]`` of the Hugging Face tensor of that
+name, reading only that part from disk (the whole tensor for ``None``); raises KeyError
+when there is none."""
+
+
+def read_whole(fetch: Fetch) -> Read:
+    """A ``Read`` over whole tensors that ``fetch`` returns (the region cut out after)."""
+    return lambda hf_name, region: fetch(hf_name) if region is None else fetch(hf_name)[region]
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,9 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
     """The weights of a Hugging Face model directory, by tensor name, opened lazily.
 
     Reads ``model.safetensors.index.json`` (sharded) or ``model.safetensors``. Each
-    ``weights[name]`` reads that one tensor from its memory-mapped file; ``get_slice``
-    reads part of one (e.g. a rank's rows). Use as a context manager, or ``close()``.
+    ``weights[name]`` reads that one tensor from its memory-mapped file; ``read(name,
+    region)`` and ``get_slice`` read part of one (e.g. a rank's rows and columns). Use as
+    a context manager, or ``close()``.
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -125,6 +126,10 @@ class SafetensorsWeights(Mapping[str, torch.Tensor]):
         """safetensors' lazy slice of tensor ``name``: ``get_shape()``, ``get_dtype()``, and
         indexing (``[rows_start:rows_end]``) that reads only the indexed part."""
         return self._open(self.weight_map[name]).get_slice(name)
+
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its ``region`` (a slice per dimension) read from the file."""
+        return self[name] if region is None else self.get_slice(name)[region]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weight_map)

@@ -54,7 +54,17 @@ from typing import Any, Iterator
 import torch
 
 from distlm.errors import UsageError
-from distlm.models.hf.common import Fetch, SpecialTokens, check_architectures, refuse, require, setting
+from distlm.models.hf.common import (
+    Fetch,
+    Read,
+    Region,
+    SpecialTokens,
+    check_architectures,
+    read_whole,
+    refuse,
+    require,
+    setting,
+)
 from distlm.models.llama import LlamaCausalLM, LlamaConfig
 
 MODEL_TYPE = "llama"
@@ -275,9 +285,31 @@ def _rotary_heads(config: LlamaConfig, name: str) -> int | None:
 
 def import_tensor(config: LlamaConfig, name: str, fetch: Fetch) -> torch.Tensor:
     """distlm tensor ``name``, built from the Hugging Face tensors ``fetch`` returns."""
-    tensor = fetch(hf_name(name))
+    return import_part(config, name, read_whole(fetch))
+
+
+def import_part(config: LlamaConfig, name: str, read: Read, region: Region | None = None) -> torch.Tensor:
+    """``region`` of distlm tensor ``name`` (all of it for None), read from the Hugging Face files.
+
+    Every tensor but wq and wk is a plain rename, so only the region is read. The rotary
+    permutation of wq and wk moves rows within a head, so their rows come from the whole
+    heads the region touches (at most one partial head more at each end), and only the
+    region's columns.
+    """
+    source = hf_name(name)
     heads = _rotary_heads(config, name)
-    return tensor if heads is None else to_adjacent_pairs(tensor, heads)
+    if heads is None:
+        return read(source, region)
+    if region is None:
+        return to_adjacent_pairs(read(source, None), heads)
+    rows, columns = region
+    head_dim = config.head_dim
+    first, end = rows.start // head_dim, -(-rows.stop // head_dim)
+    if first >= end:  # no rows: nothing to permute
+        return read(source, region)
+    covering = read(source, (slice(first * head_dim, end * head_dim), columns))
+    skip = first * head_dim
+    return to_adjacent_pairs(covering, end - first)[rows.start - skip:rows.stop - skip]
 
 
 def export_tensors(config: LlamaConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

@@ -52,7 +52,17 @@ from typing import Any, Iterator
 import torch
 
 from distlm.errors import UsageError
-from distlm.models.hf.common import Fetch, SpecialTokens, check_architectures, refuse, require, setting
+from distlm.models.hf.common import (
+    Fetch,
+    Read,
+    Region,
+    SpecialTokens,
+    check_architectures,
+    read_whole,
+    refuse,
+    require,
+    setting,
+)
 from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
 
 MODEL_TYPE = "roberta"
@@ -220,14 +230,24 @@ def hf_name(name: str) -> str:
 
 def import_tensor(config: RobertaConfig, name: str, fetch: Fetch) -> torch.Tensor:
     """distlm tensor ``name``, built from the Hugging Face tensors ``fetch`` returns."""
+    return import_part(config, name, read_whole(fetch))
+
+
+def import_part(config: RobertaConfig, name: str, read: Read, region: Region | None = None) -> torch.Tensor:
+    """``region`` of distlm tensor ``name`` (all of it for None), read from the Hugging Face files.
+
+    Each tensor reads only the region of its source: the position table's rows and
+    columns plus the same columns of the one token-type row folded into every row.
+    """
     if name == "embed_positions.weight":
-        return fetch(POSITIONS) + fetch(TOKEN_TYPES)[0]
+        type_zero = (slice(0, 1), slice(None) if region is None else region[1])
+        return read(POSITIONS, region) + read(TOKEN_TYPES, type_zero)[0]
     if name == "lm_head.bias":
         try:
-            return fetch(LM_HEAD_BIAS)
+            return read(LM_HEAD_BIAS, region)
         except KeyError:
-            return fetch(DECODER_BIAS)
-    return fetch(hf_name(name))
+            return read(DECODER_BIAS, region)
+    return read(hf_name(name), region)
 
 
 def export_tensors(config: RobertaConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
