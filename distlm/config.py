@@ -313,27 +313,43 @@ SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
 }
 
 # Allowed ranges: (lowest, highest, lowest allowed, highest allowed); None: unbounded.
+# A highest value is where a setting would stop fitting what it is handed to (float32
+# arithmetic, a C++ integer, a timedelta), or far beyond any real run.
 _AT_LEAST_1 = (1, None, True, True)
 _NOT_NEGATIVE = (0, None, True, True)
 _POSITIVE = (0, None, False, True)
 _PROBABILITY = (0, 1, True, False)
 _KEEP = (-1, None, True, True)
+# Adam's first step divides the learning rate by 1 - beta1 in float32 (at most 3.4e38):
+# 1e30 leaves room for any beta1 up to 1 - 1e-8.
+_LEARNING_RATE = (0, 1e30, False, True)
+_LAYERS = (1, 4096, True, True)  # published models have under 200; millions hang while the model is built
+_WIDTH = (1, 2**20, True, True)  # 64 x the widest published models (16384); 1e21 overflows torch's sizes
+_RANKS = (1, 2**31 - 1, True, True)  # torch.distributed counts ranks in a C++ int
 BOUNDS: dict[str, tuple] = {
     "tokens_per_sample": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "update_freq": _AT_LEAST_1,
     "log_interval": _AT_LEAST_1, "save_interval": _AT_LEAST_1, "validate_interval": _AT_LEAST_1,
     "max_valid_steps": _AT_LEAST_1, "batch_size_valid": _AT_LEAST_1, "tp_degree": _AT_LEAST_1,
     "ranks_per_node": _AT_LEAST_1, "fp16_scale_window": _AT_LEAST_1, "fp16_max_skips": _AT_LEAST_1,
-    "total_num_update": _AT_LEAST_1, "distributed_world_size": _AT_LEAST_1,
-    "encoder_layers": _AT_LEAST_1, "encoder_embed_dim": _AT_LEAST_1, "encoder_ffn_embed_dim": _AT_LEAST_1,
-    "encoder_attention_heads": _AT_LEAST_1, "decoder_layers": _AT_LEAST_1, "decoder_embed_dim": _AT_LEAST_1,
-    "decoder_ffn_embed_dim": _AT_LEAST_1, "decoder_attention_heads": _AT_LEAST_1, "kv_heads": _AT_LEAST_1,
-    "max_positions": _AT_LEAST_1,
+    "total_num_update": _AT_LEAST_1, "distributed_world_size": _RANKS,
+    "encoder_layers": _LAYERS, "encoder_embed_dim": _WIDTH, "encoder_ffn_embed_dim": _WIDTH,
+    "encoder_attention_heads": _AT_LEAST_1, "decoder_layers": _LAYERS, "decoder_embed_dim": _WIDTH,
+    "decoder_ffn_embed_dim": _WIDTH, "decoder_attention_heads": _AT_LEAST_1, "kv_heads": _AT_LEAST_1,
+    "max_positions": (1, 2**24, True, True),  # 16 M; position tables are allocated whole
     "max_update": _NOT_NEGATIVE, "max_epoch": _NOT_NEGATIVE, "warmup_updates": _NOT_NEGATIVE,
     "save_interval_updates": _NOT_NEGATIVE, "validate_interval_updates": _NOT_NEGATIVE,
-    "clip_norm": _NOT_NEGATIVE, "weight_decay": _NOT_NEGATIVE, "num_workers": _NOT_NEGATIVE,
-    "end_learning_rate": _NOT_NEGATIVE, "seed": _NOT_NEGATIVE, "distributed_rank": _NOT_NEGATIVE,
-    "lr": _POSITIVE, "adam_eps": _POSITIVE, "power": _POSITIVE, "fp16_init_scale": _POSITIVE,
-    "min_loss_scale": _POSITIVE, "bucket_cap_mb": _POSITIVE, "timeout_sec": _POSITIVE,
+    "clip_norm": _NOT_NEGATIVE, "weight_decay": _NOT_NEGATIVE,
+    "num_workers": (0, 1024, True, True),  # each is a process: a huge count forks until the host gives out
+    "end_learning_rate": (0, _LEARNING_RATE[1], True, True),
+    "seed": (0, 2**32 - 1, True, True),  # torch.manual_seed(seed * 1000 + ...) must stay below 2**64
+    "distributed_rank": (0, 2**31 - 2, True, True),
+    "lr": _LEARNING_RATE, "adam_eps": _POSITIVE, "power": _POSITIVE,
+    # A scale far above fp16's range only overflows and halves, --fp16-max-skips times, then
+    # stops the run; 2**32 reaches fp16's range (65504) in 17 halvings, within the default 20.
+    "fp16_init_scale": (0, 2**32, False, True),
+    "min_loss_scale": _POSITIVE,
+    "bucket_cap_mb": (0, 2**20, False, True),  # 1 TiB; DDP converts the bytes to a C++ int64
+    "timeout_sec": (0, 7 * 24 * 3600, False, True),  # a week; far larger overflows datetime.timedelta
     "mask_prob": (0, 1, False, False), "dropout": _PROBABILITY, "attention_dropout": _PROBABILITY,
     "activation_dropout": _PROBABILITY, "adam_betas": _PROBABILITY,
     "keep_interval_updates": _KEEP, "keep_last_epochs": _KEEP, "patience": _KEEP,

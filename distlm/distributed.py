@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from distlm.backends import Backend, get_backend
+from distlm.backends.base import uses_agent_store
+from distlm.compile import use_compile_cache
 from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
-from distlm.heartbeat import Heartbeat, current_heartbeat, describe_missing, start_heartbeat, stop_heartbeat
+from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
 from distlm.validation import validate
 
@@ -121,6 +123,8 @@ class DistContext:
             self.heartbeat.entered = update
         try:
             yield
+        except CollectiveFailure:
+            raise  # named already, by the same context around a part of this update (a save)
         except RuntimeError as err:
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             transport = isinstance(err, dist.DistError) or any(
@@ -128,7 +132,8 @@ class DistContext:
             )
             if not self.is_distributed or not transport:
                 raise
-            missing = describe_missing(self.heartbeat.ranks() if self.heartbeat else None, update, self.rank)
+            missing = (self.heartbeat.describe_missing(update) if self.heartbeat is not None
+                       else "the ranks cannot be asked (no heartbeat side channel)")
             raise CollectiveFailure(
                 f"rank {self.rank}: a collective of update {update} did not complete "
                 f"(--timeout-sec {self.timeout.total_seconds():g}): {missing}. Cause: {cause}"
@@ -169,6 +174,10 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
         env = resolve_master_via_mpi(env)  # mpiexec exports no master address
     backend = get_backend(settings.device)
     dims = validate(config, env, backend, model)
+    if config.compile.compile_cache:
+        # Before the device runtime starts: XLA's persistent cache and Neuron's compiler
+        # read their variables once, when it does.
+        use_compile_cache(config.compile.compile_cache, backend.compile_cache_variables)
     backend.setup(env, config.precision_mode, settings.network)
     # Before the process group starts: NCCL reads these when its communicators are made.
     backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
@@ -194,7 +203,8 @@ def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat 
     interval = min(2.0, max(0.1, timeout.total_seconds() / 10))
     try:
         return start_heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
-                               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                               store_host=None if uses_agent_store(env, os.environ) else 0)
     except (RuntimeError, dist.DistStoreError) as err:
         logger.warning("rank %d: no heartbeat side channel (%s); a hung collective will not name its ranks",
                        env.rank, err)

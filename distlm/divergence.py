@@ -4,8 +4,9 @@ Without a loss scaler (fp32, bf16) a non-finite gradient norm cannot recover by 
 the run stops at once, naming the first parameter whose gradient is non-finite, in the
 order the model registers them (which follows forward for distlm's models). With fp16 an overflow is skipped and the loss scale halves; when the scale
 falls below ``--min-loss-scale`` or ``--fp16-max-skips`` updates in a row overflowed,
-the failing batch is run once more with a hook on every module (as fairseq's
-NanDetector does) to name the first module whose output or gradient became non-finite.
+the failing update's micro-batches are run once more, one by one, with a hook on every
+module (as fairseq's NanDetector does) to name the first module whose output or gradient
+became non-finite.
 """
 
 from __future__ import annotations
@@ -82,18 +83,23 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def locate_nonfinite(model: nn.Module, batch: dict[str, torch.Tensor], loss_of: Callable, scale: torch.Tensor,
-                     gather: Callable[[object], list]) -> str:
-    """Run ``batch`` forward and backward again with hooks; where it first went non-finite,
-    as rank 0 reports it (collective: every rank reruns its own failing batch)."""
-    with recording_first_nonfinite(model) as found, warnings.catch_warnings():
-        # Hooks on modules whose inputs need no gradient (the embeddings) fire on their outputs.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        loss = loss_of(batch)
-        (loss * scale).backward()
-    model.zero_grad(set_to_none=True)
-    places = gather(found[0] if found else None)
-    for rank, place in enumerate(places):
-        if place is not None:
-            return f"{place} on rank {rank}" if len(places) > 1 else place
+def locate_nonfinite(model: nn.Module, batches: list[dict[str, torch.Tensor]], loss_of: Callable,
+                     scale: torch.Tensor, gather: Callable[[object], list]) -> str:
+    """Run the failing update's micro-batches forward and backward again with hooks, one at a
+    time, until some rank finds where its output or gradient first went non-finite; that
+    place, as rank 0 reports it (collective: every rank reruns its own micro-batches in
+    step, so backward's collectives pair up, and all stop after the same one)."""
+    for index, batch in enumerate(batches):
+        with recording_first_nonfinite(model) as found, warnings.catch_warnings():
+            # Hooks on modules whose inputs need no gradient (the embeddings) fire on their outputs.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            loss = loss_of(batch)
+            (loss * scale).backward()
+        model.zero_grad(set_to_none=True)
+        places = gather(found[0] if found else None)
+        for rank, place in enumerate(places):
+            if place is None:
+                continue
+            where = f" in micro-batch {index + 1} of {len(batches)}" if len(batches) > 1 else ""
+            return f"{place}{where} on rank {rank}" if len(places) > 1 else f"{place}{where}"
     return "no module's output or gradient (the loss scale itself overflowed)"

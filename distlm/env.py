@@ -23,7 +23,8 @@ import itertools
 import os
 import re
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
@@ -76,6 +77,10 @@ class ClusterEnv:
     """The node index of every rank, where this process knows it without a process group:
     under mpiexec once ``resolve_master_via_mpi`` has asked MPI which ranks share a host.
     None elsewhere; then each rank knows only its own ``node_rank``."""
+    nodes_assumed: str | None = field(default=None, compare=False)
+    """Set when the launcher did not say which node each rank runs on, so ``node_rank`` is
+    only assumed (consecutive ranks per node): why, and what would tell. None when known.
+    Not compared: it says how the place was found, not where the process is."""
 
     def __post_init__(self) -> None:
         # Launchers validate with the user's variable names first; this only guards
@@ -104,6 +109,15 @@ class ClusterEnv:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def check_nodes_known(self, needed_by: str) -> None:
+        """A one-line ``UsageError`` if the node of each rank is assumed rather than known:
+        ``needed_by`` (e.g. ``--comm-hook hierarchical``) would group ranks that may not share a node."""
+        if self.nodes_assumed is not None:
+            raise UsageError(
+                f"{needed_by} needs the node of every rank, but launcher {self.launcher} does not say it: "
+                f"{self.nodes_assumed}; or simulate nodes of consecutive ranks with --ranks-per-node"
+            )
 
     def describe(self) -> str:
         """One line for the log: the launcher and this process's place, e.g. for rank 0 to print."""
@@ -307,7 +321,11 @@ class TorchElasticLauncher:
         num_nodes = _read_optional_int(environ, "GROUP_WORLD_SIZE", minimum=1)
         num_nodes = num_nodes if num_nodes is not None else _ceil_div(world_size, local_world_size)
         node_rank = _read_optional_int(environ, "GROUP_RANK")
-        node_rank = node_rank if node_rank is not None else rank // local_world_size
+        nodes_assumed = None
+        if node_rank is None:
+            node_rank = rank // local_world_size
+            if local_world_size < world_size:
+                nodes_assumed = "GROUP_RANK is not set; export each node's index as GROUP_RANK, as torchrun does"
         _check_below(node_rank, "node rank (GROUP_RANK, or RANK // LOCAL_WORLD_SIZE)", num_nodes, "node count")
         if not environ.get("MASTER_ADDR"):
             raise UsageError("MASTER_ADDR is not set; torchrun sets it, a manual launch must export it")
@@ -323,6 +341,7 @@ class TorchElasticLauncher:
             master_addr=environ["MASTER_ADDR"],
             master_port=_read_port(environ, "MASTER_PORT"),
             launcher="torchelastic",
+            nodes_assumed=nodes_assumed,
         )
 
 
@@ -480,7 +499,8 @@ def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[st
     _check_below(local_rank, local_rank_var, local_world_size, local_size_var)
     # MPI exports no node index. rank // ranks-per-node is right for mpiexec's default
     # by-slot mapping only (--map-by node places ranks round-robin); it stands in until
-    # resolve_master_via_mpi() asks MPI which ranks share a host (mpi_node_layout).
+    # resolve_master_via_mpi() asks MPI which ranks share a host (mpi_node_layout), and is
+    # marked as assumed unless every rank is local.
     # mpiexec sets no master either: None until resolve_master_via_mpi() agrees on one.
     master_addr, master_port = _master_from_environ(environ)
     if (master_addr is None) != (master_port is None):
@@ -497,6 +517,10 @@ def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[st
         master_addr=master_addr,
         master_port=master_port,
         launcher="mpi",
+        nodes_assumed=None if local_world_size == world_size else (
+            f"{size_var} and {local_size_var} say how many ranks, not which share a host; install mpi4py "
+            "(pip install 'distlm[mpi]') so that distlm asks MPI"
+        ),
     )
 
 
@@ -631,21 +655,36 @@ def device_index(
     visible_devices: int,
     visible_variable: str = "CUDA_VISIBLE_DEVICES",
     environ: Mapping[str, str] | None = None,
+    parent_environ: Mapping[str, str] | None = None,
 ) -> int:
     """The index, among the devices this process sees, of the device local rank ``local_rank`` uses.
 
-    ``local_rank % visible_devices``. One visible device is this rank's own whatever its
-    local rank (``srun --gpus-per-task=1`` or a per-rank ``CUDA_VISIBLE_DEVICES`` show
-    each task one GPU as index 0). With several visible, the node's ranks share them, so
+    ``local_rank % visible_devices``. With several visible, the node's ranks share them, so
     more local ranks than visible devices would put two ranks on one device: a
-    ``UsageError`` naming ``visible_variable`` (on every rank of the node alike, so no
-    rank starts and waits for the others). ``environ`` (default ``os.environ``) only
-    supplies that variable's value for the message.
+    ``UsageError`` naming ``visible_variable`` (on every rank of the node alike, so no rank
+    starts and waits for the others).
+
+    One visible device is this rank's own whatever its local rank where each rank was given
+    its own: ``srun --gpus-per-task=1``, or a per-rank ``visible_variable`` set by a
+    wrapper, show each one GPU as index 0. torchrun gives its workers no device of their
+    own: a worker that sees one device with ``visible_variable`` as torchrun's agent had it
+    (inherited, not set for this worker) shares it with every other worker of the node,
+    which is refused. ``environ`` (default ``os.environ``) is this process's environment,
+    ``parent_environ`` its parent's (default: read from /proc; unknown elsewhere, and then
+    nothing is refused).
     """
     environ = os.environ if environ is None else environ
     setting = f"{visible_variable}={environ.get(visible_variable, 'unset')}"
     if visible_devices < 1:
         raise UsageError(f"no device is visible to local rank {local_rank} ({setting}); check the job's allocation")
+    if visible_devices == 1 and local_world_size > 1 and "TORCHELASTIC_RUN_ID" in environ:
+        parent = _parent_environment() if parent_environ is None else parent_environ
+        if parent is not None and parent.get(visible_variable) == environ.get(visible_variable):
+            raise UsageError(
+                f"{local_world_size} torchrun workers on this node would share one device: each inherits "
+                f"torchrun's {setting}, which shows one; make {local_world_size} devices visible to torchrun, "
+                "or start one worker per node (--nproc-per-node 1)"
+            )
     if visible_devices > 1 and local_world_size > visible_devices:
         raise UsageError(
             f"{local_world_size} ranks on this node but {visible_devices} devices visible ({setting}); "
@@ -653,6 +692,16 @@ def device_index(
             "(srun --gpus-per-task=1)"
         )
     return local_rank % visible_devices
+
+
+def _parent_environment() -> dict[str, str] | None:
+    """The environment this process's parent was started with (Linux's /proc); None where unknown."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {name.decode(errors="replace"): value.decode(errors="replace") for name, value in pairs}
 
 
 # --------------------------------------------------------------------------- explicit flags
@@ -821,7 +870,7 @@ def resolve_master_via_mpi(env: ClusterEnv, node_comm: Any = None) -> ClusterEnv
         from mpi4py import MPI  # lazy: mpi4py is optional and loads the MPI library
     except ImportError:
         if not needs_master:
-            return env  # MASTER_* exported: runs as before, node_of_rank stays unknown (None)
+            return env  # MASTER_* exported: runs, with the nodes still assumed (env.nodes_assumed)
         raise UsageError(
             f"launcher {env.launcher} gives no master address and mpi4py is not installed: "
             "pip install 'distlm[mpi]' (or pip install mpi4py), or export MASTER_ADDR and MASTER_PORT"
@@ -847,6 +896,7 @@ def resolve_master_via_mpi(env: ClusterEnv, node_comm: Any = None) -> ClusterEnv
             local_rank=layout.local_rank,
             local_world_size=layout.local_world_size,
             node_of_rank=layout.node_of_rank,
+            nodes_assumed=None,
         )
     return env
 

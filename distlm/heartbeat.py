@@ -6,6 +6,10 @@ of its own. A thread keeps beating while the main thread waits in a collective (
 releases the GIL), so when a collective times out the ranks that are still alive say
 where they are. A rank that was stopped (SIGSTOP), died, or hangs with the GIL held
 stops beating. Counters rather than clock times, so hosts need no common clock.
+
+The store lives where the process group's rendezvous store lives: in torchrun's agent,
+or (srun, mpiexec, a Kubeflow PyTorchJob, fairseq's flags) in rank 0's own process. Then
+a stopped rank 0 takes the store with it, and the waiting ranks name rank 0 for that.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ class RankState:
 
 class Heartbeat:
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, interval: float,
-                 restart: str = "0"):
+                 restart: str = "0", store_host: int | None = None):
         self.rank, self.world_size, self.interval = rank, world_size, interval
+        self.store_host = store_host
+        """The rank whose process serves the store; None when the launcher's agent does."""
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=datetime.timedelta(seconds=max(10.0, 4 * interval)))
         self.store = dist.PrefixStore(f"{_PREFIX}/restart{restart}", store)
@@ -71,11 +77,12 @@ class Heartbeat:
     def ranks(self) -> list[RankState] | None:
         """Every rank's state, watched for a few beats; None if the store does not answer
         (its host, rank 0 or the launcher's agent, stopped or died)."""
-        try:
-            first = self._read()
-            time.sleep(3 * self.interval)
-            second = self._read()
-        except (RuntimeError, dist.DistStoreError):
+        first = self._read_within(self._answer_within)
+        if first is None:
+            return None
+        time.sleep(3 * self.interval)
+        second = self._read_within(self._answer_within)
+        if second is None:
             return None
         states = []
         for rank in range(self.world_size):
@@ -83,17 +90,50 @@ class Heartbeat:
             states.append(RankState(rank, entered, completed, beating=beats != first.get(rank, (0,))[0]))
         return states
 
+    @property
+    def _answer_within(self) -> float:
+        # Asked once a collective has timed out, of a store that answered every beat until
+        # then: a few beats without an answer mean its host is gone.
+        return max(2.0, 5 * self.interval)
+
+    def _read_within(self, seconds: float) -> dict[int, tuple[int, int, int]] | None:
+        """``_read()``, or None if the store fails or does not answer within ``seconds``.
+
+        A store whose host is stopped (SIGSTOP) keeps its connection open and never
+        replies, and the client waits for the reply without a timeout, so the read runs
+        on a thread of its own that is abandoned if it does not return in time.
+        """
+        answer: list[dict[int, tuple[int, int, int]]] = []
+
+        def read() -> None:
+            try:
+                answer.append(self._read())
+            except (RuntimeError, dist.DistStoreError):  # the host is gone: the connection failed
+                pass
+
+        reader = threading.Thread(target=read, name="distlm-heartbeat-read", daemon=True)
+        reader.start()
+        reader.join(seconds)
+        return answer[0] if answer else None
+
+    def describe_missing(self, update: int) -> str:
+        """The ranks the collective of ``update`` waits for, in words, asked through the store."""
+        return describe_missing(self.ranks(), update, self.rank, self.world_size, self.store_host, self.completed)
+
     def close(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=2 * self.interval + 1)
 
 
 def start_heartbeat(master_addr: str, master_port: int, rank: int, world_size: int, interval: float,
-                    restart: str = "0") -> Heartbeat:
-    """The heartbeat of a process group just started; it replaces a previous group's."""
+                    restart: str = "0", store_host: int | None = None) -> Heartbeat:
+    """The heartbeat of a process group just started; it replaces a previous group's.
+
+    ``store_host`` is the rank whose process serves the store at ``master_addr``, None
+    when the launcher's agent serves it."""
     global _running
     stop_heartbeat()
-    _running = Heartbeat(master_addr, master_port, rank, world_size, interval, restart)
+    _running = Heartbeat(master_addr, master_port, rank, world_size, interval, restart, store_host)
     return _running
 
 
@@ -109,10 +149,25 @@ def stop_heartbeat() -> None:
         _running = None
 
 
-def describe_missing(states: list[RankState] | None, update: int, me: int) -> str:
-    """Which ranks update ``update``'s collective waits for, in words."""
+def describe_missing(states: list[RankState] | None, update: int, me: int, world_size: int,
+                     store_host: int | None, completed: int) -> str:
+    """Which ranks update ``update``'s collective waits for, in words.
+
+    ``states`` None means the store did not answer: ``store_host`` says who serves it (a
+    rank, or None for the launcher's agent), ``completed`` the last update rank ``me``
+    finished. When a rank serves the store, its silence names that rank.
+    """
     if states is None:
-        return "the ranks cannot be asked (no heartbeat, or its store's host, rank 0 or the launcher, is gone)"
+        if store_host is None:
+            return ("the ranks cannot be asked: the store of the launcher's agent, which holds their progress, "
+                    "does not answer")
+        if store_host == me:
+            return "the ranks cannot be asked: the store this rank serves does not answer"
+        others = world_size - 2
+        rest = f"; the other {others} ranks' progress is kept in that store" if others > 0 else ""
+        return (f"ranks [{store_host}] stopped responding (rank {store_host} serves the rendezvous store, "
+                f"which does not answer either); ranks [{me}] still wait in update {update} "
+                f"(rank {me} last completed update {completed}){rest}")
     silent = [s for s in states if not s.beating and s.rank != me]
     behind = [s for s in states if s.beating and s.entered < update and s.rank != me]
     parts = []

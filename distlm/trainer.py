@@ -253,7 +253,7 @@ class Trainer:
             except FloatingPointError as err:
                 self.optimizer.zero_grad(set_to_none=True)
                 with self._autocast(), self.handle.loss_context():
-                    place = locate_nonfinite(self.model, tensors[0], self.compute_loss, factor,
+                    place = locate_nonfinite(self.model, tensors, self.compute_loss, factor,
                                              self.ctx.all_gather_object)
                 raise DivergenceError(f"update {update}: {err}; first non-finite: {place}") from None
         self.progress.consumed_samples += self.sampler.global_batch_size  # before _done(), which --max-epoch reads

@@ -13,9 +13,10 @@ code in place of its shared-memory split. Every rank writes ``OUT_DIR/rank{R}.js
   the local rank and size OpenMPI exported, to compare;
 * ``simulated``: the layout for each named placement;
 * ``env``: ``resolve_master_via_mpi(ClusterEnv.detect())`` on the first placement, then
-  torch's view of it: a gloo process group started from that ClusterEnv, a
-  (node, local) DeviceMesh built from its ``node_of_rank``, and what all_gather and
-  all_reduce over the mesh's groups return.
+  torch's view of it: a gloo process group started from that ClusterEnv, the hierarchical
+  all-reduce training builds from the membership it found (``DistContext.node_of_rank``,
+  the builder's options, ``comm_hooks.build_reducer``), its intra- and inter-node groups,
+  and what all_gather, all_reduce over those groups and the reducer itself return.
 """
 
 from __future__ import annotations
@@ -36,29 +37,48 @@ def split_by_host(comm, hosts: list[str]):
 
 
 def torch_view(env) -> dict:
-    """A gloo group from ``env`` and the (node, local) mesh of its membership, as a hierarchical all-reduce builds it."""
+    """A gloo group from ``env``, and the hierarchical all-reduce training builds on it: the
+    membership through ``DistContext.node_of_rank`` and the builder's options, the reducer from
+    ``comm_hooks.build_reducer``; its groups, and what it and all_reduce over them return."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.env import ranks_by_node
+    from distlm.builder import parallel_options
+    from distlm.config import parse_args
+    from distlm.distributed import DistContext
+    from distlm.mesh import ParallelDims
+    from distlm.parallel import comm_hooks
 
-    CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))
-    grid = ranks_by_node(env.node_of_rank)
-    mesh = DeviceMesh("cpu", torch.tensor(grid), mesh_dim_names=("node", "local"))
-    intra, inter = mesh["local"].get_group(), mesh["node"].get_group()
+    backend, timeout = CpuBackend(), datetime.timedelta(seconds=60)
+    backend.init_process_group(env, timeout)
+    ctx = DistContext(env=env, backend=backend, device=torch.device("cpu"), dims=ParallelDims(env.world_size),
+                      timeout=timeout)
+    options = parallel_options(parse_args(["--comm-hook", "hierarchical", "--device", "cpu"]), ctx)
+    reducer = comm_hooks.build_reducer(options.comm_hook, ctx.dp_group, ranks_per_node=options.ranks_per_node,
+                                       node_of_rank=options.node_of_rank, device_type="cpu")
+    intra, inter = reducer.intra_group, reducer.inter.group
     sums = {}
     for name, group in (("intra", intra), ("inter", inter)):
         value = torch.tensor([float(env.rank)])
         dist.all_reduce(value, group=group)
         sums[name] = value.item()
+    # The reducer's result against the mean of every rank's values; 1001 elements is not a
+    # multiple of the ranks per node, so the padded path runs too.
+    values = lambda rank: torch.arange(1001, dtype=torch.float32) * (rank + 1)  # noqa: E731
+    reduced = reducer(values(env.rank)).wait()
+    mean = sum(values(rank).double() for rank in range(env.world_size)) / env.world_size
+    error = float((reduced.double() - mean).abs().max() / mean.abs().max())
+    if error > 1e-6:  # fp32 rounding of a 4-term mean; reported through rank{R}.error
+        raise AssertionError(f"{reducer!r} returned a mean off by {error:.3g} (relative)")
     return {
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
+        "reducer": repr(reducer),
         "intra_ranks": dist.get_process_group_ranks(intra),
         "inter_ranks": dist.get_process_group_ranks(inter),
         "sums": sums,
+        "mean_relative_error": error,
     }
 
 

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from distributed import run_distributed
 from distlm import checkpoint
 from distlm.config import parse_args
-from distlm.env import find_free_port
+from distlm import env as env_module
+from distlm.env import device_index, find_free_port
+from distlm.errors import UsageError
 from distlm.parallel.names import unwrap
 from distlm.trainer import Trainer
 
@@ -305,3 +307,50 @@ def test_num_workers_do_not_change_training(data_dir, tmp_path):  # noqa: F811
     assert inline["num_updates"] == workers["num_updates"] == 3
     assert inline["consumed_samples"] == workers["consumed_samples"]
     assert_models_identical(workers["model"], inline["model"])
+
+
+# -------------------------------------------------------------- one visible device
+
+
+TORCHRUN_WORKER = {"TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": "0"}
+
+
+@pytest.mark.parametrize("environ, parent, refused", [
+    # CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 8: every worker inherits the one GPU.
+    (TORCHRUN_WORKER, {"CUDA_VISIBLE_DEVICES": "0"}, True),
+    ({"TORCHELASTIC_RUN_ID": "x"}, {}, True),  # a node with one GPU and no variable at all
+    # torchrun --no-python with a wrapper setting CUDA_VISIBLE_DEVICES=$LOCAL_RANK per worker.
+    ({**TORCHRUN_WORKER, "CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, False),
+    # srun --gpus-per-task=1: every task is its own process, shown its own GPU.
+    ({"SLURM_PROCID": "3", "CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+    (TORCHRUN_WORKER, None, False),  # the parent's environment unknown (not Linux): nothing to tell by
+])
+def test_one_visible_device_is_refused_when_torchrun_workers_would_share_it(environ, parent, refused, monkeypatch):
+    if parent is None:
+        monkeypatch.setattr(env_module, "_parent_environment", lambda: None)
+    if not refused:
+        assert device_index(3, 8, 1, environ=environ, parent_environ=parent) == 0
+        return
+    with pytest.raises(UsageError) as refusal:
+        device_index(3, 8, 1, environ=environ, parent_environ=parent)
+    setting = f"CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', 'unset')}"
+    assert str(refusal.value) == (
+        f"8 torchrun workers on this node would share one device: each inherits torchrun's {setting}, which "
+        "shows one; make 8 devices visible to torchrun, or start one worker per node (--nproc-per-node 1)")
+
+
+def test_a_worker_tells_an_inherited_device_from_its_own_by_its_parent(tmp_path):
+    """Through /proc: an "agent" process started with CUDA_VISIBLE_DEVICES=0 starts a worker
+    that inherits it (refused), and one that is given its own value (accepted)."""
+    worker = ("import sys; from distlm.env import device_index; from distlm.errors import UsageError\n"
+              "try: print(device_index(1, 2, 1))\nexcept UsageError as err: print(err)")
+    agent = ("import os, subprocess, sys\n"
+             "for own in (None, '1'):\n"
+             "    env = dict(os.environ, **({} if own is None else {'CUDA_VISIBLE_DEVICES': own}))\n"
+             f"    subprocess.run([sys.executable, '-c', {worker!r}], env=env, check=True)")
+    out = subprocess.run([sys.executable, "-c", agent], env=subprocess_env(TORCHELASTIC_RUN_ID="x",
+                         CUDA_VISIBLE_DEVICES="0"), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    inherited, own = out.stdout.strip().splitlines()
+    assert inherited.startswith("2 torchrun workers on this node would share one device"), out.stdout
+    assert own == "0"

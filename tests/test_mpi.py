@@ -26,8 +26,11 @@ import torch
 
 from distlm import checkpoint
 from distlm.config import parse_args
+from distlm.backends import get_backend
+from distlm.env import ClusterEnv, resolve_master_via_mpi
 from distlm.errors import UsageError
 from distlm.parallel import mpi_transport
+from distlm.validation import validate
 from distlm.parallel.mpi_transport import (
     MPITransport,
     check_mpi_launch,
@@ -197,6 +200,38 @@ def test_cuda_support_is_read_from_mpi_or_ompi_info(monkeypatch):
 
     monkeypatch.setattr(mpi_transport.shutil, "which", lambda name: None)
     assert query_cuda_support(types.SimpleNamespace(Query_cuda_support=unsupported)) is None
+
+
+# mpiexec -n 4 with 2 ranks per host and an exported master, as a job script may run it.
+MPIEXEC_4_RANKS = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                   "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN_2_NODES = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                    "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("environ, refusal", [
+    # Without mpi4py nothing says which ranks share a host (--map-by node places them round robin).
+    (MPIEXEC_4_RANKS, "--comm-hook hierarchical needs the node of every rank, but launcher mpi does not say it: "
+                      "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_SIZE say how many ranks, not which share a "
+                      "host; install mpi4py (pip install 'distlm[mpi]') so that distlm asks MPI; "
+                      "or simulate nodes of consecutive ranks with --ranks-per-node"),
+    ({**MPIEXEC_4_RANKS, "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, None),  # every rank on this host
+    (TORCHRUN_2_NODES, "launcher torchelastic does not say it: GROUP_RANK is not set; export each node's index"),
+    ({**TORCHRUN_2_NODES, "GROUP_RANK": "1"}, None),
+])
+def test_the_node_of_each_rank_is_known_or_the_hierarchical_all_reduce_is_refused(monkeypatch, environ, refusal):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
+    env = resolve_master_via_mpi(ClusterEnv.detect(environ))
+    hierarchical = parse_args(["--comm-hook", "hierarchical", "--device", "cpu", "--arch", "roberta_tiny"])
+    if refusal is None:
+        assert validate(hierarchical, env, get_backend("cpu")).dp == 4
+        return
+    with pytest.raises(UsageError) as refused:
+        validate(hierarchical, env, get_backend("cpu"))
+    assert refusal in str(refused.value) and "\n" not in str(refused.value)
+    # Simulated nodes of consecutive ranks need no membership.
+    validate(parse_args(["--comm-hook", "hierarchical", "--ranks-per-node", "2", "--device", "cpu"]), env,
+             get_backend("cpu"))
 
 
 def test_half_precision_travels_as_16_bit_words_with_a_half_sum():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distlm.config import parse_args
+from distlm.divergence import DivergenceError
 from distlm.errors import UsageError
 from distlm.optim import Fp32StateAdamW
 from distlm.parallel.names import unwrap
@@ -252,6 +253,33 @@ def test_repeated_overflow_stops_with_floating_point_error(data_dir, tmp_path):
         trainer.train_step(next(trainer.update_batches()))
     assert trainer.num_updates == 0
 
+
+
+def test_the_divergence_stop_finds_an_overflow_in_a_later_micro_batch(data_dir, tmp_path):
+    """With --update-freq 2 only the second micro-batch overflows: the stop reruns the
+    update's micro-batches until one names the module, instead of blaming the loss scale."""
+    trainer = make_trainer(data_dir, tmp_path, "fp16", extra=["--update-freq", "2", "--fp16-max-skips", "1"])
+    micro_batches = next(trainer.update_batches())
+    assert len(micro_batches) == 2
+    second_ids = micro_batches[1]["input_ids"]
+    assert not torch.equal(micro_batches[0]["input_ids"], second_ids)
+    # A Linear in the middle of the model overflows on the second micro-batch's tokens only,
+    # in training and in the rerun alike.
+    linears = [(name, m) for name, m in unwrap(trainer.model).named_modules() if isinstance(m, torch.nn.Linear)]
+    name, poisoned = linears[len(linears) // 2]
+    on_second = []
+    real_loss_sum = trainer.compute_loss
+
+    def loss_sum(batch):
+        on_second[:] = [torch.equal(batch["input_ids"].cpu(), second_ids)]
+        return real_loss_sum(batch)
+
+    trainer.compute_loss = loss_sum
+    poisoned.register_forward_hook(lambda module, args, output: output * math.inf if on_second[0] else None)
+    with pytest.raises(DivergenceError) as stop:
+        trainer.train_step(micro_batches)
+    assert f"first non-finite: forward output of {name} (Linear) in micro-batch 2 of 2" in str(stop.value), stop.value
+    assert trainer.num_updates == 0
 
 def test_fp16_resume_restores_the_loss_scale(data_dir, tmp_path):
     first = make_trainer(data_dir, tmp_path, "fp16", extra=["--max-update", "3", "--fp16-scale-window", "2"], save=True)

@@ -3,6 +3,7 @@ strict JSON, and settings that cannot work are refused before anything starts.""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 
@@ -10,10 +11,12 @@ import pytest
 import torch
 
 from distlm.backends.cuda import CudaBackend
-from distlm.config import parse_args
+from distlm.config import OptimConfig, PrecisionConfig, parse_args
+from distlm.doctor.cli import main as doctor_main
 from distlm.errors import UsageError
 from distlm.export import main as export_main
 from distlm.metrics import perplexity, strict_json
+from distlm.optim import AdamWSettings, build_optimizer
 from distlm.train import main
 from test_ddp import common_args
 
@@ -78,6 +81,69 @@ def test_log_values_are_strict_json_and_perplexity_never_raises():
 def test_numeric_settings_are_checked_before_anything_starts(argv, names):
     with pytest.raises(UsageError, match=names):
         parse_args(argv)
+
+
+def adamw_step(settings: OptimConfig, param_dtype: torch.dtype) -> None:
+    """One step of the optimizer training builds from ``settings``, on a gradient of ones."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=param_dtype))
+    param.grad = torch.ones_like(param)
+    build_optimizer([param], AdamWSettings.from_config(settings), param_dtype).step()
+
+
+def first_step_at_lr(lr: float) -> None:
+    settings = OptimConfig(lr=lr)
+    for dtype in (torch.float32, torch.float16):  # torch's AdamW, and distlm's fp32-state AdamW
+        adamw_step(settings, dtype)
+
+
+def halvings_into_fp16(scale: float) -> int:
+    """Overflowed updates the loss scaler skips, halving ``scale``, before a gradient of 1 fits fp16."""
+    halvings = 0
+    while not torch.tensor(scale, dtype=torch.float16).isfinite():
+        scale, halvings = scale / 2, halvings + 1
+    return halvings
+
+
+# Settings whose huge values passed validation and then overflowed what they are handed
+# to, with that consumer: the highest allowed value must go through it.
+HIGHEST_ALLOWED = {
+    "--timeout-sec": (7 * 24 * 3600.0, lambda value: datetime.timedelta(seconds=value)),
+    # A fresh run seeds dropout with seed * 1000 + dp rank; a resume adds 7919 x updates.
+    "--seed": (2**32 - 1, lambda value: torch.manual_seed(value * 1000 + 2**20 + 7919 * 10**9)),
+    "--bucket-cap-mb": (float(2**20), lambda value: torch.tensor(int(value * 1024 * 1024), dtype=torch.int64)),
+    "--lr": (1e30, first_step_at_lr),
+    "--end-learning-rate": (1e30, first_step_at_lr),  # the schedule sets it as the optimizer's lr
+    "--fp16-init-scale": (2.0**32, lambda value: halvings_into_fp16(value) <= PrecisionConfig().fp16_max_skips),
+    "--distributed-world-size": (2**31 - 1, lambda value: torch.tensor(value, dtype=torch.int32)),
+    "--encoder-embed-dim": (2**20, lambda value: torch.empty(2**16, value, device="meta")),  # an embedding table
+    "--max-positions": (2**24, lambda value: torch.empty(value, 2**20, device="meta")),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(HIGHEST_ALLOWED))
+def test_the_highest_value_of_a_setting_fits_where_it_goes_and_more_is_one_line(flag, capsys):
+    highest, consume = HIGHEST_ALLOWED[flag]
+    assert consume(highest) is not False  # no overflow, nor an answer that says it does not fit
+    parse_args([flag, repr(highest)])
+    above = highest * 2 if isinstance(highest, int) else highest * 10
+    assert main([flag, repr(above)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    shown = str(int(highest)) if float(highest).is_integer() and highest < 2**53 else f"{highest:g}"
+    assert len(lines) == 1 and lines[0].startswith(f"distlm: error: {flag} must be in "), lines
+    assert lines[0].endswith(f", {shown}], got {above}") or lines[0].endswith(f", {shown}], got {float(above)}"), lines
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--allreduce-mib", "inf"], "--allreduce-mib 'inf': inf MiB is not a positive size from 4 bytes to 16384 MiB"),
+    (["--allreduce-mib", "1,nan"], "--allreduce-mib '1,nan': nan MiB is not a positive size"),
+    (["--allreduce-mib", "1e300"], "--allreduce-mib '1e300': 1e300 MiB is not a positive size"),
+    (["--allreduce-repeats", str(10**30)], "--allreduce-repeats must be in [1, 10000]"),
+    (["--timeout-sec", "1e15"], "--timeout-sec must be in (0, 604800]"),
+])
+def test_doctor_numbers_out_of_range_are_one_line_and_status_2(argv, named, capsys):
+    assert doctor_main(["--device", "cpu", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distlm.doctor: error: ") and named in lines[0], lines
 
 
 @pytest.mark.parametrize("toml, names", [

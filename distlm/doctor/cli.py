@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The all-reduce buffer is allocated whole at the largest size: this is far above where
+# bus bandwidth levels off (hundreds of MiB) and below an accelerator's memory.
+MAX_ALLREDUCE_MIB = 16384
+MAX_REPEATS = 10000
+
+
 def _parse_sizes(raw: str) -> tuple[int, ...]:
     fix = "give sizes in MiB separated by commas, e.g. --allreduce-mib 1,4,16,64"
     sizes = []
@@ -105,12 +111,13 @@ def _parse_sizes(raw: str) -> tuple[int, ...]:
             mib = float(item)
         except ValueError:
             raise UsageError(f"--allreduce-mib {raw!r}: {item.strip()!r} is not a number; {fix}") from None
-        nbytes = int(mib * 1024**2) // 4 * 4  # whole fp32 elements
-        if not math.isfinite(mib) or nbytes < 4:
+        # Checked before int(): int() of inf or nan raises.
+        if not (math.isfinite(mib) and mib <= MAX_ALLREDUCE_MIB and int(mib * 1024**2) >= 4):
             raise UsageError(
-                f"--allreduce-mib {raw!r}: {item.strip()} MiB is not a positive size of at least 4 bytes; {fix}"
+                f"--allreduce-mib {raw!r}: {item.strip()} MiB is not a positive size from 4 bytes to "
+                f"{MAX_ALLREDUCE_MIB} MiB; {fix}"
             )
-        sizes.append(nbytes)
+        sizes.append(int(mib * 1024**2) // 4 * 4)  # whole fp32 elements
     return tuple(sorted(set(sizes)))
 
 
@@ -123,6 +130,13 @@ def _parse_number(raw: str, flag: str, kind: type, low: float, high: float = mat
         bounds = f"at least {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
         raise UsageError(f"{flag} must be {bounds}, got {raw}")
     return value
+
+
+def _parse_repeats(raw: str) -> int:
+    repeats = int(_parse_number(raw, "--allreduce-repeats", int, 1))
+    if repeats > MAX_REPEATS:
+        raise UsageError(f"--allreduce-repeats must be in [1, {MAX_REPEATS}], got {raw}")
+    return repeats
 
 
 def parse_doctor_args(argv: Sequence[str] | None = None) -> tuple[DoctorOptions, TrainConfig]:
@@ -139,7 +153,7 @@ def parse_doctor_args(argv: Sequence[str] | None = None) -> tuple[DoctorOptions,
         cluster_source=source,
         json=args.json,
         sizes_bytes=_parse_sizes(args.allreduce_mib),
-        repeats=int(_parse_number(args.allreduce_repeats, "--allreduce-repeats", int, 1)),
+        repeats=_parse_repeats(args.allreduce_repeats),
         min_fraction=_parse_number(args.min_busbw_fraction, "--min-busbw-fraction", float, 0.0, 1.0),
     )
     return options, config
