@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from distlm.builder import build_model_for_run, log_start, parallel_options, resolve_model_spec, training_data
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress
-from distlm.compile import CompileReport, precompile, use_compile_cache
+from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import GlobalBatchSampler
 from distlm.data.batches import check_global_batch, to_device, update_batches
@@ -74,8 +74,6 @@ class Trainer:
         self.fixed_length = config.data.tokens_per_sample if (
             config.compile.compile or self.ctx.backend.static_shapes) else None
         """Batches padded to this length, so compiled or traced graphs see one shape."""
-        if config.compile.compile_cache:
-            use_compile_cache(config.compile.compile_cache, self.ctx.backend.compile_cache_variables)
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                               parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
         log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed)
@@ -120,7 +118,7 @@ class Trainer:
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
-        compiling = CompileReport() if cfg.compile.compile and self.ctx.is_main else None
+        compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
         try:
             while not (stop or self._done()):
