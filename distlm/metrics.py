@@ -7,6 +7,7 @@ compare directly with fairseq logs.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -16,9 +17,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from distlm.errors import UsageError
-from distlm.plan.flops import flops_per_token, measure_cpu_matmul_flops, peak_flops
+from distlm.plan.flops import device_peak_flops, flops_per_token, measure_cpu_matmul_flops
 
 LN2 = math.log(2)
+logger = logging.getLogger("distlm")
+# Devices already reported as having no known peak (once per process, not per Trainer).
+_REPORTED_WITHOUT_PEAK: set[str] = set()
 
 
 class TrainStats:
@@ -31,10 +35,10 @@ class TrainStats:
 
     FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples")
 
-    def __init__(self, device: torch.device | str = "cpu", flops_per_token: float = 0.0,
-                 peak_flops_per_device: float = 0.0, devices: int = 1) -> None:
-        """``flops_per_token`` and ``peak_flops_per_device`` (0: unknown) give the MFU of
-        ``devices`` devices; the tokens are the global input tokens of the run."""
+    def __init__(self, device: torch.device | str = "cpu", flops_per_token: float | None = None,
+                 peak_flops_per_device: float | None = None, devices: int = 1) -> None:
+        """``flops_per_token`` and ``peak_flops_per_device`` (None or 0: unknown) give the MFU
+        of ``devices`` devices; the tokens are the global input tokens of the run."""
         self.device = torch.device(device)
         self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
         self.run_input_tokens = 0.0
@@ -53,7 +57,7 @@ class TrainStats:
             self.counts[i] += count
         self.updates += 1
 
-    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float | None]:
         sums = torch.cat([self.loss_sum.reshape(1), torch.tensor(self.counts, dtype=torch.float64, device=self.device)])
         if group is not None:
             # One collective for every statistic (this is what fairseq's --fast-stat-sync asks for).
@@ -71,36 +75,49 @@ class TrainStats:
             "ups": round(self.updates / elapsed, 3),
             "bsz": values["samples"] / max(self.updates, 1),
             "tokens_per_sec_per_device": round(tokens_per_s / self.devices, 1),
-            "mfu": round(self.mfu(tokens_per_s), 5),
+            "mfu": _rounded(self.mfu(tokens_per_s)),
         }
 
-    def mfu(self, tokens_per_s: float) -> float:
-        """Model FLOP/s over the peak of every device (0 when the peak is unknown)."""
-        if not self.peak_flops_per_device:
-            return 0.0
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOP/s over the peak of every device; None when the model's FLOPs or the
+        device's peak are unknown (the log prints null, never a made-up 0)."""
+        if not self.peak_flops_per_device or not self.flops_per_token:
+            return None
         return tokens_per_s * self.flops_per_token / (self.peak_flops_per_device * self.devices)
 
-    def run_mfu(self) -> float:
-        """The MFU of this run so far (this process's, not a resumed run's past), from every logged interval."""
-        return self.mfu(self.run_input_tokens / self.run_seconds) if self.run_seconds > 0 else 0.0
+    def run_mfu_or_none(self) -> float | None:
+        """The MFU of this run so far (this process's, not a resumed run's past), from every
+        logged interval, rounded for the log; None when unknown."""
+        tokens_per_s = self.run_input_tokens / self.run_seconds if self.run_seconds > 0 else 0.0
+        return _rounded(self.mfu(tokens_per_s))
 
     def reset(self) -> None:
         self._start_interval()
 
 
-def mfu_inputs(model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(FLOPs per token, peak FLOP/s per device) for MFU; 0 where the model's shape or
-    the device's peak is unknown (a user's model, a GPU without a table entry)."""
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 5)
+
+
+def mfu_inputs(
+    model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype
+) -> tuple[float | None, float | None]:
+    """(FLOPs per token, peak FLOP/s per device) for MFU; None where the model's shape or
+    the device's peak is unknown (a user's model, a device without a table entry). A
+    device without a peak is reported once, with how to give one."""
     try:
         per_token = flops_per_token(model, seq_len)
     except (TypeError, UsageError):
-        per_token = 0.0
+        per_token = None
     try:
         # On CPU a short probe: the log's MFU needs the order of magnitude, not a benchmark.
         peak = measure_cpu_matmul_flops(dtype, size=256, min_seconds=0.2) if device_type == "cpu" else \
-            peak_flops(device_type, dtype)
-    except UsageError:
-        peak = 0.0
+            device_peak_flops(device_type, dtype)
+    except UsageError as exc:
+        peak = None
+        if device_type not in _REPORTED_WITHOUT_PEAK and (not dist.is_initialized() or dist.get_rank() == 0):
+            _REPORTED_WITHOUT_PEAK.add(device_type)
+            logger.warning("mfu is null in the log: %s", exc)
     return per_token, peak
 
 

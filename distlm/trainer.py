@@ -135,7 +135,7 @@ class Trainer:
             self.checkpointer.wait()
             final = {**self.summary, "update": self.progress.num_updates,
                      "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2), "mfu": round(stats.run_mfu(), 5),
+                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
                      "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
             printer.log(final, kind="summary")
             self.checkpointer.announce_last()

@@ -20,11 +20,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from distributed import run_distributed
+from distlm.bench import results, scaling
 from distlm.bench.__main__ import main as bench_main
 from distlm.data.dictionary import Dictionary
 from distlm.models import build_model
-from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.flops import flops_per_token, model_shape
+from distlm.plan.calibrate import calibrate, fit_line, read_measurements
+from distlm.plan.flops import count_parameters, flops_per_token, model_shape, parameter_groups
 from distlm.plan.model import Layout, Workload, load_cluster, project
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
@@ -136,6 +137,88 @@ def test_calibration_file_is_what_the_planner_fits(sweep):
     assert projection.optimizer_s == pytest.approx(one_rank["optimizer_s"], rel=1e-3)
 
 
+def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep):
+    """The planner calibrated from calibration.jsonl predicts the 2-rank (probed) and 4-rank
+    (not probed) points of ddp and fsdp from their parts, each recomputed here by hand:
+    compute and optimizer are the one-rank row's, slowed by ranks x threads over cores when
+    they exceed them (FSDP's optimizer steps a 1/N shard and all-reduces the gradient norm);
+    communication is the fitted alpha + beta x bytes of each collective over the model's
+    gradients and parameters (4 ranks: the ring formulas on the link of the 2-rank
+    all-reduce, a reduce-scatter costing an all-reduce on gloo, a single number the faster of
+    a ring and a tree), plus the update's all-reduce of its target-token count; FSDP adds its
+    copies at the optimizer's memory
+    bandwidth; with every core busy, nothing overlaps. No timing is asserted: only how the
+    prediction is built."""
+    objects = read_rows(sweep / "calibration.jsonl")
+    one_rank = next(obj for obj in objects if obj.get("world_size") == 1 and "strategy" in obj)
+    probe = next(obj for obj in objects if obj.get("benchmark") == "allreduce")
+    calibration = calibrate(read_measurements(sweep / "calibration.jsonl"))
+    cluster = calibration.apply(load_cluster("local", ranks_per_node=4))
+    threads, cores = one_rank["threads_per_rank"], one_rank["host_cores"]
+    assert (cluster.cpu_threads_per_rank, cluster.cores_per_node) == (threads, cores)
+    shape = model_shape("roberta_tiny", one_rank["vocab_size"])
+    groups = parameter_groups(shape)
+    params = count_parameters(shape)
+    root, block, n = groups.embedding + groups.head, groups.per_block, groups.blocks
+    bandwidth = params * 40 / one_rank["optimizer_s"]  # AdamW + clipping: 40 bytes a parameter
+
+    def fit(method: str) -> tuple[float, float]:
+        rows = [row for row in probe["collectives"] if row["method"] == method]
+        return fit_line([row["size_bytes"] for row in rows], [row["median_s"] for row in rows])
+
+    for ranks in (2, 4):
+        slowdown = max(1.0, ranks * threads / cores)
+        if ranks == 2:
+            costs = {method: fit(method) for method in ("plain", "all_gather", "reduce_scatter")}
+            all_reduce, all_gather, reduce_scatter = (
+                (lambda nbytes, a=alpha, b=beta: a + b * nbytes) for alpha, beta in costs.values()
+            )
+            small = all_reduce
+        else:
+            alpha, beta = fit("plain")
+            latency, bus = alpha / 2, 1 / beta  # the 2-rank ring: 2 (p-1) steps, 2 (p-1)/p of the bytes
+
+            def all_reduce(nbytes: float) -> float:
+                return 2 * 3 * latency + 2 * 3 / 4 * nbytes / bus
+
+            def all_gather(nbytes: float) -> float:
+                return 3 * latency + 3 / 4 * nbytes / bus
+
+            def small(nbytes: float) -> float:  # a number: the faster of the ring and a tree (2 log2 p steps)
+                return min(all_reduce(nbytes), 2 * 2 * latency + 2 * nbytes / bus)
+
+            reduce_scatter = all_reduce
+        overlap = ranks * threads < cores
+        for strategy in ("ddp", "fsdp"):
+            workload = Workload(shape=shape, strategy=strategy, tokens_per_sample=TOKENS, batch_size=BATCH)
+            row = project(workload, cluster, Layout(nodes=1, ranks_per_node=ranks))
+            assert row.compute_slowdown == slowdown
+            assert row.compute_s == pytest.approx(one_rank["compute_s"] * slowdown, rel=1e-3)
+            optimizer = one_rank["optimizer_s"] * slowdown
+            if strategy == "fsdp":
+                optimizer = optimizer / ranks + small(4)  # the gradient norm
+            assert row.optimizer_s == pytest.approx(optimizer, rel=1e-9)
+            if strategy == "ddp":
+                # DDP's first bucket holds 1 MiB of gradients, the second the rest.
+                comm = all_reduce(2**20) + all_reduce(4 * params - 2**20)
+                copies = 0.0
+            else:
+                # All-gathers: the root once, each block in forward and all but the last again in
+                # backward; reduce-scatters: each block and the root, of fp32 gradients.
+                comm = (all_gather(4 * root) + (2 * n - 1) * all_gather(4 * block)
+                        + n * reduce_scatter(4 * block) + reduce_scatter(4 * root))
+                gathered = 4 * root + (2 * n - 1) * 4 * block
+                copies = (2 * gathered * (1 + 1 / ranks) + 2 * 4 * params) / bandwidth * slowdown
+            comm += small(8)  # the global target-token count
+            assert row.dp_comm_s == pytest.approx(comm, rel=1e-9), (ranks, strategy)
+            assert row.fsdp_copy_s == pytest.approx(copies, rel=1e-9), (ranks, strategy)
+            if overlap:
+                assert row.comm_exposed_s <= comm + copies
+            else:
+                assert row.comm_exposed_s == pytest.approx(comm + copies, rel=1e-9), (ranks, strategy)
+                assert row.step_time_s == pytest.approx(row.compute_s + row.optimizer_s + comm + copies, rel=1e-9)
+
+
 def _communication_off_worker(data: str) -> dict:
     from distlm.bench.measure import LaunchSpec, communication_off
     from distlm.trainer import Trainer
@@ -208,6 +291,50 @@ def test_inside_torchrun_it_measures_in_place_and_merges(sweep, data_dir, tmp_pa
     assert math.isclose(fsdp["efficiency"], fsdp["tokens_per_s"] / 2 / base["tokens_per_s"], rel_tol=1e-5)
 
 
+def test_comm_hooks_and_tp_degrees_are_swept_where_distlm_runs_them(tmp_path):
+    """--comm-hook and --tp-degree take lists: each tp degree at the world sizes it divides,
+    comm hooks with the strategies that take one (not fsdp, not beside tensor parallel),
+    and one launch for each one-replica point, which stands for all its combinations."""
+    args = scaling.parse_args(["--ranks", "1,2,4", "--strategy", "ddp,fsdp", "--comm-hook", "allreduce,fp16",
+                               "--tp-degree", "1,2", "--no-plots", "--out", str(tmp_path)])
+    planned = scaling.plan_launches(args, [1, 2, 4])
+    measured = {(launch.world_size, launch.comm_hook, launch.tp_degree, launch.strategies)
+                for launch in scaling.measured_launches(planned)}
+    assert measured == {
+        (1, "allreduce", 1, ("ddp",)),
+        (2, "allreduce", 1, ("ddp", "fsdp")), (2, "fp16", 1, ("ddp",)), (2, "allreduce", 2, ("ddp",)),
+        (4, "allreduce", 1, ("ddp", "fsdp")), (4, "fp16", 1, ("ddp",)), (4, "allreduce", 2, ("ddp", "fsdp")),
+    }
+    assert sorted(map(tuple, scaling.combinations(planned))) == sorted([
+        ("ddp", "allreduce", 1), ("fsdp", "allreduce", 1), ("ddp", "fp16", 1),
+        ("ddp", "allreduce", 2), ("fsdp", "allreduce", 2),
+    ])
+
+
+def test_a_tensor_parallel_point_is_against_the_one_rank_point():
+    """Rows of a sweep with tp 1 and 2: the tp-2 series' efficiency is its tokens/s per rank
+    over the 1-rank point's, the point every tp-1 series starts from."""
+    def launch(world_size: int, tp_degree: int, step: float) -> dict:
+        spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": tp_degree,
+                "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
+        times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // tp_degree,
+                 "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
+                 "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
+        return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
+                "host_cores": 2, "device": "cpu", "torch": "2"}
+
+    combos = [["ddp", "allreduce", 1], ["ddp", "allreduce", 2]]
+    rows = results.point_rows([launch(1, 1, 0.5), launch(2, 1, 0.6), launch(2, 2, 0.8), launch(4, 2, 0.9)],
+                              {"arch": "roberta_tiny", "mode": "weak", "strategies": ["ddp"], "combinations": combos})
+    by_point = {(row["world_size"], row["tp_degree"]): row for row in rows}
+    assert set(by_point) == {(1, 1), (2, 1), (2, 2), (4, 2)}
+    one = by_point[(1, 1)]["tokens_per_s"]
+    for (world_size, tp_degree), row in by_point.items():
+        assert row["efficiency_baseline_world_size"] == 1
+        assert row["efficiency"] == pytest.approx(row["tokens_per_s"] / world_size / one)
+    assert by_point[(2, 2)]["tokens_per_s"] == pytest.approx(4 * TOKENS / 0.8)  # one replica of 4 samples
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--ranks", "0"], "--ranks must be at least 1, got 0"),
     (["--ranks", "1,two"], "--ranks takes comma-separated whole numbers"),
@@ -216,6 +343,9 @@ def test_inside_torchrun_it_measures_in_place_and_merges(sweep, data_dir, tmp_pa
     (["--mode", "strong", "--ranks", "1,2", "--global-batch-size", "3"], "set --global-batch-size to a multiple of 2"),
     (["--arch", "roberta_huge"], "--arch roberta_huge is unknown"),
     (["--strategy", "fsdp", "--comm-hook", "fp16", "--ranks", "2"], "--comm-hook"),
+    (["--comm-hook", "allreduce,fp32"], "--comm-hook fp32 is unknown"),
+    (["--tp-degree", "2,4", "--ranks", "1,2"], "--ranks 1 is not a multiple of --tp-degree 2,4"),
+    (["--tp-degree", "1,1"], "names a degree twice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, capsys):
     assert bench_main(["scaling", *argv, "--no-plots", "--out", str(tmp_path / "out")]) == 2

@@ -1,6 +1,7 @@
 """The planner (distlm.plan): FLOP and parameter counts against torch and transformers,
-the alpha-beta communication model against hand-computed collectives, its memory
-against what real gloo ranks hold, calibration, and the command line."""
+the alpha-beta communication model against hand-computed collectives, CPU ranks sharing
+cores, its memory against what real gloo ranks hold, calibration, the command line; and
+the peak FLOP/s and MFU of the training log (Trainium named by its instance type)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import run_distributed
+from distlm import metrics
+from distlm.errors import UsageError
 from distlm.models import ARCHS, build_model
 from distlm.plan import __main__ as plan_cli
+from distlm.plan import flops
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.plan.flops import count_parameters, flops_per_token, model_shape, parameter_groups, peak_flops
 from distlm.plan.model import (
     Cluster,
+    Group,
     Layout,
     Link,
     Workload,
     micro_batch_segments,
     all_gather_time,
+    collective_time,
     ddp_communication,
     gradient_allreduce_time,
     hierarchical_allreduce_time,
@@ -34,7 +40,9 @@ from distlm.plan.model import (
     memory_per_rank,
     project,
     ring_allreduce_time,
+    tree_allreduce_time,
 )
+from distlm.train import main as train_main
 
 SEQ_LEN, BATCH = 32, 2
 
@@ -150,11 +158,14 @@ def test_ddp_hides_all_but_what_backward_completes_last_and_double_buffering_hid
     for ready, end, seconds in early:
         assert end - ready == pytest.approx(seconds), "a bucket filled during backward waited for another"
     assert all(end <= backward_end for _, end, _ in early[:-1])
-    # Exposed: the buckets complete at the end, and at most the one block 0 closed just before.
+    # Exposed: the buckets complete at the end, and at most the one block 0 closed just before;
+    # and the update's all-reduce of the target-token count (8 bytes, the faster of ring and
+    # tree) before its forward.
     tail = sum(seconds for _, _, seconds in last)
-    assert tail <= row.comm_exposed_s <= tail + early[-1][2] + 1e-12
+    token_count = min(ring_allreduce_time(8, 8, cluster.intra), tree_allreduce_time(8, 8, cluster.intra))
+    assert tail + token_count <= row.comm_exposed_s <= tail + early[-1][2] + token_count + 1e-12
     buffered = project(dataclasses.replace(workload, double_buffering=True), cluster, layout)
-    assert buffered.comm_exposed_s == 0.0 and buffered.step_time_s < row.step_time_s
+    assert buffered.comm_exposed_s == pytest.approx(token_count) and buffered.step_time_s < row.step_time_s
 
 
 def test_fsdp_exposes_its_first_all_gathers():
@@ -249,13 +260,127 @@ def test_peak_flops_table_and_cpu_probe():
         peak_flops("cuda", "bf16", "Tesla V100-SXM2-32GB")
 
 
+@pytest.fixture
+def ec2_product_name(tmp_path, monkeypatch):
+    """The DMI product name file EC2 fills, as a file of the test's; no overrides set."""
+    path = tmp_path / "product_name"
+    monkeypatch.setattr(flops, "PRODUCT_NAME_PATH", path)
+    monkeypatch.delenv(flops.INSTANCE_TYPE_VARIABLE, raising=False)
+    monkeypatch.delenv(flops.PEAK_VARIABLE, raising=False)
+    return path
+
+
+def test_trainium_and_xla_devices_are_named_by_the_instance_type(ec2_product_name, monkeypatch):
+    # AWS's figures: a Trainium1 chip does 190 bf16 TFLOPS with two NeuronCore-v2 (one
+    # rank each); a Trainium2 chip 667 with four logical cores of LNC=2.
+    trn1, trn2 = 190e12 / 2, 667e12 / 4
+    for device_type in ("neuron", "xla"):
+        with pytest.raises(UsageError, match=flops.INSTANCE_TYPE_VARIABLE):
+            peak_flops(device_type, "bf16")  # no product name: says how to give one
+    ec2_product_name.write_text("trn1.32xlarge\n")
+    assert peak_flops("neuron", "bf16") == pytest.approx(trn1)
+    assert peak_flops("xla", torch.bfloat16) == pytest.approx(trn1)
+    ec2_product_name.write_text("trn2.48xlarge\n")
+    assert peak_flops("xla", "bf16") == pytest.approx(trn2)
+    monkeypatch.setenv(flops.INSTANCE_TYPE_VARIABLE, "trn1n.32xlarge")  # a container's override wins
+    assert peak_flops("neuron", "bf16") == pytest.approx(trn1)
+    monkeypatch.setenv(flops.INSTANCE_TYPE_VARIABLE, "m5.xlarge")
+    with pytest.raises(UsageError, match="m5.xlarge"):
+        peak_flops("xla", "bf16")
+    monkeypatch.setenv(flops.PEAK_VARIABLE, "120")
+    assert flops.device_peak_flops("xla", "bf16") == 120e12
+
+
+def test_a_device_without_peak_logs_once_and_prints_null_mfu(ec2_product_name, monkeypatch, caplog):
+    monkeypatch.setattr(metrics, "_REPORTED_WITHOUT_PEAK", set())
+    model = build_model("llama_tiny", vocab_size=261)
+    with caplog.at_level("WARNING", logger="distlm"):
+        for _ in range(2):
+            per_token, peak = metrics.mfu_inputs(model, SEQ_LEN, "xla", torch.bfloat16)
+    assert per_token == flops_per_token(model, SEQ_LEN) and peak is None
+    reports = [record.getMessage() for record in caplog.records if "mfu" in record.getMessage()]
+    assert len(reports) == 1 and "xla" in reports[0] and flops.INSTANCE_TYPE_VARIABLE in reports[0], reports
+    stats = metrics.TrainStats("cpu", per_token, peak, devices=2)
+    stats.add(torch.tensor(10.0), target_tokens=64, input_tokens=64, samples=2)
+    record = stats.reduce(None)
+    assert record["mfu"] is None and record["tokens_per_sec_per_device"] > 0
+    assert '"mfu": null' in json.dumps(metrics.strict_json(record))
+    assert stats.run_mfu_or_none() is None
+    ec2_product_name.write_text("trn1.32xlarge")  # now known: a number
+    assert metrics.mfu_inputs(model, SEQ_LEN, "xla", torch.bfloat16)[1] == pytest.approx(190e12 / 2)
+
+
+def test_train_and_summary_lines_carry_mfu(data_dir, capsys):  # noqa: F811 - fixture
+    """A one-process run on CPU: every train line carries tokens/s per device and an MFU
+    against the matmul probe, and the summary the run's mean: its tokens over its time, so
+    with the same tokens per interval the harmonic mean of the lines' MFUs."""
+    assert train_main([
+        "--arch", "roberta_tiny", "--data", data_dir, "--device", "cpu", "--batch-size", "2",
+        "--tokens-per-sample", "32", "--sample-break-mode", "none", "--max-update", "6", "--log-interval", "2",
+        "--no-save", "--disable-validation", "--log-format", "json",
+    ]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    train = [line for line in lines if line["kind"] == "train"]
+    summary = next(line for line in lines if line["kind"] == "summary")
+    assert [line["update"] for line in train] == [2, 4, 6]
+    for line in train:
+        assert line["tokens_per_sec_per_device"] == pytest.approx(line["wps"], rel=1e-3)  # one device
+        assert line["mfu"] > 0
+        # The same FLOPs per token over the same peak on every line: MFU proportional to wps.
+        assert line["mfu"] / line["wps"] == pytest.approx(train[0]["mfu"] / train[0]["wps"], rel=1e-3)
+    harmonic = len(train) / sum(1 / line["mfu"] for line in train)
+    assert summary["mfu"] == pytest.approx(harmonic, rel=1e-3)
+
+
+def test_collectives_have_their_own_costs():
+    """A measured alpha-beta wins for its group's shape; otherwise ring formulas on the
+    link; a backend without a reduce-scatter pays an all-reduce of the whole input."""
+    cluster = _cluster(intra=Link(10e-6, 20e9))
+    group, n = Group(ranks=4, nodes=1), 64e6
+    ring_allreduce = 2 * 3 * 10e-6 + 2 * 3 / 4 * n / 20e9
+    ring_gather = 3 * 10e-6 + 3 / 4 * n / 20e9
+    assert collective_time("all_reduce", n, group, cluster) == pytest.approx(ring_allreduce)
+    assert collective_time("all_gather", n, group, cluster) == pytest.approx(ring_gather)
+    assert collective_time("reduce_scatter", n, group, cluster) == pytest.approx(ring_gather)
+    gloo = dataclasses.replace(cluster, reduce_scatter_via_allreduce=True,
+                               measured_collectives={("all_gather", 4, 4): (2e-3, 1e-9)})
+    assert collective_time("reduce_scatter", n, group, gloo) == pytest.approx(ring_allreduce)
+    assert collective_time("all_gather", n, group, gloo) == pytest.approx(2e-3 + 1e-9 * n)
+    assert collective_time("all_gather", n, Group(ranks=2, nodes=1), gloo) == pytest.approx(10e-6 + n / 2 / 20e9)
+    measured = dataclasses.replace(gloo, measured_collectives={("reduce_scatter", 4, 4): (1e-3, 2e-9)})
+    assert collective_time("reduce_scatter", n, group, measured) == pytest.approx(1e-3 + 2e-9 * n)
+
+
+def test_cpu_ranks_share_the_host_cores():
+    """On CPU, ranks x threads beyond the cores slow compute and optimizer by their ratio,
+    and collectives overlap compute only while a core is idle."""
+    shape = model_shape("roberta_tiny", 261)
+    cluster = dataclasses.replace(
+        load_cluster("local"), achieved_flops={"fp32": 50e9}, cpu_threads_per_rank=1, cores_per_node=2,
+    )
+    workload = Workload(shape=shape, tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    one, two, four = (project(workload, cluster, Layout(nodes=1, ranks_per_node=r)) for r in (1, 2, 4))
+    assert two.compute_s == pytest.approx(one.compute_s) and two.optimizer_s == pytest.approx(one.optimizer_s)
+    assert four.compute_s == pytest.approx(2 * one.compute_s) and four.optimizer_s == pytest.approx(2 * one.optimizer_s)
+    assert four.compute_slowdown == 2.0 and four.efficiency < 0.5
+    for row in (two, four):  # every core computes: the whole all-reduce adds to the step
+        assert row.comm_exposed_s == pytest.approx(row.dp_comm_s)
+    roomy = dataclasses.replace(cluster, cores_per_node=8)
+    spare = project(workload, roomy, Layout(nodes=1, ranks_per_node=2))
+    assert spare.compute_slowdown == 1.0 and spare.comm_exposed_s < spare.dp_comm_s
+    # Simulated nodes of one host share it too.
+    split = project(workload, cluster, Layout(nodes=2, ranks_per_node=2))
+    assert split.compute_s == pytest.approx(four.compute_s)
+
+
 # --------------------------------------------------------------------------- command line
 
 
 def test_cli_json_rows(capsys):
-    assert plan_cli.main(["--arch", "llama_tiny", "--cluster", "local", "--ranks", "1,2", "--json"]) == 0
+    assert plan_cli.main(["--arch", "llama_tiny", "--cluster", "local", "--ranks", "1,2,4", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [row["ranks"] for row in rows] == [1, 2]
+    assert [row["ranks"] for row in rows] == [1, 2, 4]
+    assert [row["nodes"] for row in rows] == [1, 1, 1]  # --ranks on this machine: one host
     for row in rows:
         for key in ("nodes", "ranks", "step_time_s", "tokens_per_s", "efficiency", "memory_bytes_per_rank",
                     "compute_s", "comm_exposed_s", "optimizer_s"):

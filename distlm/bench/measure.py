@@ -25,7 +25,8 @@ from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
 from distlm.parallel import comm_hooks
 from distlm.parallel.names import unwrap
-from distlm.plan.flops import dtype_name, measure_cpu_matmul_flops, peak_flops
+from distlm.plan.flops import device_peak_flops, dtype_name, measure_cpu_matmul_flops
+from distlm.plan.model import host_cores
 from distlm.trainer import Trainer
 
 # The suite drives a fixed number of updates and never stops on its own, validates or logs.
@@ -239,32 +240,54 @@ def _per_update(combine: Callable[[Sequence[float]], float], per_rank: list[list
     return [combine(values) for values in zip(*per_rank)]
 
 
-def probe_allreduce(sizes: list[int], ranks_per_node: int, device: torch.device, rounds: int = 7) -> dict[str, Any]:
-    """The plain (averaging) all-reduce of fp32 buffers, as ``benchmarks/allreduce.py``
-    reports it and ``distlm.plan --calibrate`` reads it: per size, the median over
-    ``rounds`` calls of the slowest rank's time (after one warm-up call)."""
+def probe_collectives(
+    sizes: list[int], ranks_per_node: int, device: torch.device, rounds: int = 7
+) -> dict[str, Any]:
+    """The collectives a data-parallel update runs, timed alone on fp32 buffers: the plain
+    (averaging) all-reduce of DDP's buckets (method ``plain``, as ``benchmarks/allreduce.py``
+    reports it), and FSDP2's two as it calls them, ``all_gather_into_tensor`` into an
+    output of each size (``all_gather``) and an averaging ``reduce_scatter_tensor`` of an
+    input of each size (``reduce_scatter``). Per collective and size, the median over
+    ``rounds`` calls (after one warm-up, the three interleaved) of the slowest rank's time.
+    ``distlm.plan --calibrate`` fits each collective's alpha and beta to these."""
+    world = dist.get_world_size()
     reducer = comm_hooks.build_reducer("allreduce", None, device_type=device.type)
     rows = []
     for size in sizes:
-        buffer = torch.ones(size // 4, device=device)
-        reducer(buffer).wait()
-        seconds = []
-        for _ in range(rounds):
-            dist.barrier()
-            start = time.perf_counter()
-            reducer(buffer).wait()
-            seconds.append(time.perf_counter() - start)
-        times = torch.tensor(seconds, dtype=torch.float64)
+        numel = max(world, size // 4 // world * world)
+        full = torch.ones(numel, device=device)
+        shard = torch.ones(numel // world, device=device)
+        calls = {
+            "plain": lambda: reducer(full).wait(),
+            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
+        }
+        for call in calls.values():
+            call()
+        seconds: dict[str, list[float]] = {method: [] for method in calls}
+        for index in range(rounds):
+            for method in rotated(list(calls), index):
+                dist.barrier()
+                start = time.perf_counter()
+                calls[method]()
+                seconds[method].append(time.perf_counter() - start)
+        times = torch.tensor([seconds[method] for method in calls], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        rows.append({"size_bytes": size, "method": "plain", "median_s": round(statistics.median(times.tolist()), 7)})
-        del buffer
+        for method, slowest in zip(calls, times.tolist()):
+            rows.append({"size_bytes": numel * 4, "method": method, "median_s": round(statistics.median(slowest), 7)})
     return {
         "benchmark": "allreduce",
-        "world_size": dist.get_world_size(),
+        "world_size": world,
         "ranks_per_node": ranks_per_node,
         "torch": torch.__version__,
         "collectives": rows,
     }
+
+
+def rotated(items: list[Any], shift: int) -> list[Any]:
+    """``items`` started ``shift`` places later, wrapping around."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
 
 
 def peak_flops_per_rank(device: torch.device, precision: str) -> float | None:
@@ -273,24 +296,24 @@ def peak_flops_per_rank(device: torch.device, precision: str) -> float | None:
     try:
         if device.type == "cpu":
             return measure_cpu_matmul_flops(dtype_name(precision), threads=torch.get_num_threads())
-        return peak_flops(device.type, precision)
+        return device_peak_flops(device.type, precision)
     except UsageError:
         return None
 
 
 def measure_launch(spec: LaunchSpec, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Every strategy of the spec in order, then the all-reduce probe (with more than one
+    """Every strategy of the spec in order, then the collective probe (with more than one
     rank) and the peak FLOP/s of a rank; collective, the result is complete on rank 0."""
     results = [measure_strategy(spec, strategy, progress) for strategy in spec.strategies]
     device = torch.device(results[-1].device)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     allreduce = None
     if distributed and spec.allreduce_sizes:
-        progress(f"all-reduce probe: {len(spec.allreduce_sizes)} sizes")
-        allreduce = probe_allreduce(spec.allreduce_sizes, results[-1].ranks_per_node, device)
+        progress(f"collective probe (all-reduce, all-gather, reduce-scatter): {len(spec.allreduce_sizes)} sizes")
+        allreduce = probe_collectives(spec.allreduce_sizes, results[-1].ranks_per_node, device)
     peak = peak_flops_per_rank(device, spec.precision) if not distributed or dist.get_rank() == 0 else None
     if distributed:
         dist.barrier()  # the other ranks wait while rank 0 times its matmul alone
     return {"strategies": [asdict(result) for result in results], "allreduce": allreduce,
-            "peak_flops_per_rank": peak, "threads_per_rank": torch.get_num_threads(), "device": device.type,
-            "torch": torch.__version__}
+            "peak_flops_per_rank": peak, "threads_per_rank": torch.get_num_threads(), "host_cores": host_cores(),
+            "device": device.type, "torch": torch.__version__}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from distlm.bench.results import series_key
+from distlm.bench.results import series_key, series_label
 from distlm.errors import UsageError
 
 PLOTS = ("tokens_per_s.png", "efficiency.png", "step_breakdown.png")
@@ -34,16 +34,17 @@ def _pyplot():
 
 
 def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Rows by series, labelled by strategy (plus mode and batch when several series share one)."""
+    """Rows by series, labelled by strategy, comm hook and tp degree (plus mode and batch when several
+    series share one label)."""
     grouped: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         grouped.setdefault(series_key(row), []).append(row)
-    strategies = [key[2] for key in grouped]
+    names = [series_label(members[0]) for members in grouped.values()]
     labelled = {}
     for key, members in sorted(grouped.items(), key=lambda item: str(item[0])):
         first = members[0]
-        label = first["strategy"]
-        if strategies.count(first["strategy"]) > 1:
+        label = series_label(first)
+        if names.count(label) > 1:
             batch = first["batch_size"] if first["mode"] == "weak" else first["global_batch_size"]
             label += f" ({first['mode']}, batch {batch}, {first['precision']})"
         labelled[label] = sorted(members, key=lambda row: row["world_size"])

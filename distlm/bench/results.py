@@ -41,6 +41,12 @@ def point_key(row: dict[str, Any]) -> tuple:
     return series_key(row) + (row["world_size"],)
 
 
+def series_label(row: dict[str, Any]) -> str:
+    """The strategy, with its comm hook and tp degree where not the defaults (``ddp fp16``, ``fsdp tp2``)."""
+    return (row["strategy"] + ("" if row["comm_hook"] == "allreduce" else f" {row['comm_hook']}")
+            + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}"))
+
+
 def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
     """Medians over one launch's timed updates of one strategy."""
     compute = None
@@ -56,21 +62,32 @@ def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
 
 
 def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (strategy, world size) from the launches' raw results (``worker`` output).
+    """One row per (strategy, comm hook, tp degree, world size) from the launches' raw
+    results (``worker`` output).
 
-    ``settings`` holds ``arch``, ``mode`` and the requested ``strategies``; everything else
-    comes from each launch's spec. A strategy measured with one data-parallel replica
-    stands for every strategy: none of them wraps or shards anything there.
+    ``settings`` holds ``arch``, ``mode``, the requested ``strategies`` and, optionally, the
+    ``combinations`` ([strategy, comm hook, tp degree]) the sweep runs; everything else
+    comes from each launch's spec. A launch with one data-parallel replica stands for
+    every combination of its tp degree: nothing communicates gradients, wraps or shards there.
     """
-    samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    combos = settings.get("combinations")
+    samples: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     for launch in launches:
+        spec = launch["spec"]
         for times in launch["strategies"]:
-            one_replica = times["dp_degree"] == 1
-            for strategy in settings["strategies"] if one_replica else [times["strategy"]]:
-                samples.setdefault((strategy, times["world_size"]), []).append({"launch": launch, "times": times})
+            point = (times["strategy"], spec["comm_hook"], spec["tp_degree"])
+            if times["dp_degree"] == 1:
+                stands_for = [tuple(c) for c in combos if c[2] == spec["tp_degree"]] if combos else [
+                    (strategy, spec["comm_hook"], spec["tp_degree"]) for strategy in settings["strategies"]]
+            else:
+                stands_for = [point]
+            for strategy, comm_hook, tp_degree in stands_for:
+                samples.setdefault((strategy, comm_hook, tp_degree, times["world_size"]), []).append(
+                    {"launch": launch, "times": times, "comm_hook": comm_hook}
+                )
 
     rows = []
-    for (strategy, world_size), entries in sorted(samples.items()):
+    for (strategy, comm_hook, _, world_size), entries in sorted(samples.items()):
         summaries = [launch_summary(entry["times"]) for entry in entries]
         step = statistics.median(s["step"] for s in summaries)
         optimizer = statistics.median(s["optimizer"] for s in summaries)
@@ -99,9 +116,10 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "dp_degree": times["dp_degree"],
             "tp_degree": spec["tp_degree"],
             "precision": spec["precision"],
-            "comm_hook": spec["comm_hook"],
+            "comm_hook": comm_hook,
             "device": launch["device"],
             "threads_per_rank": launch["threads_per_rank"],
+            "host_cores": launch.get("host_cores"),
             "steps": spec["steps"],
             "warmup_steps": spec["warmup_steps"],
             "repeats": len(entries),
@@ -126,8 +144,17 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
     return with_efficiency(rows)
 
 
+def baseline_key(row: dict[str, Any]) -> tuple:
+    """A row's series but its tp degree: tensor-parallel series compare with the plain one."""
+    return tuple(value for name, value in zip(SERIES_FIELDS, series_key(row)) if name != "tp_degree") + (
+        series_key(row)[-1],
+    )
+
+
 def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Fill ``efficiency``: tokens/s per rank over that of the series' smallest world size.
+    """Fill ``efficiency``: tokens/s per rank over that of the baseline, the smallest world
+    size of the series, or for a tensor-parallel series that of the same settings without
+    tensor parallel (its 1-rank point) when the sweep has it.
 
     Weak scaling: per-rank throughput relative to the baseline. Strong scaling (same
     tokens per update): speedup over the baseline divided by the growth in ranks. Both are
@@ -138,6 +165,10 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = series_key(row)
         if key not in baselines or row["world_size"] < baselines[key]["world_size"]:
             baselines[key] = row
+    plain = {baseline_key(base): base for base in baselines.values() if base["tp_degree"] == 1}
+    for key, base in list(baselines.items()):
+        if base["tp_degree"] > 1 and baseline_key(base) in plain:
+            baselines[key] = plain[baseline_key(base)]
     for row in rows:
         base = baselines[series_key(row)]
         row["efficiency"] = (row["tokens_per_s"] / row["world_size"]) / (base["tokens_per_s"] / base["world_size"])
@@ -145,8 +176,14 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+# Bus bandwidth over algorithm bandwidth (nccl-tests' definitions), per probe method.
+BUS_FACTORS = {"plain": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n}
+
+
 def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One all-reduce report per layout: per size, the median over the launches' medians."""
+    """One collective-probe report per layout: per collective and size, the median over
+    the launches' medians."""
     grouped: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for launch in launches:
         report = launch.get("allreduce")
@@ -154,10 +191,11 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
             grouped.setdefault((report["world_size"], report["ranks_per_node"]), []).append(report)
     reports = []
     for (world_size, per_node), group in sorted(grouped.items()):
-        by_size: dict[int, list[float]] = {}
+        by_point: dict[tuple[str, int], list[float]] = {}
         for report in group:
             for row in report["collectives"]:
-                by_size.setdefault(row["size_bytes"], []).append(row["median_s"])
+                by_point.setdefault((row["method"], row["size_bytes"]), []).append(row["median_s"])
+        order = {method: index for index, method in enumerate(BUS_FACTORS)}
         reports.append({
             "benchmark": "allreduce",
             "world_size": world_size,
@@ -165,9 +203,9 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "torch": group[-1]["torch"],
             "repeats": len(group),
             "collectives": [
-                {"size_bytes": size, "method": "plain", "median_s": statistics.median(values),
-                 "busbw_GBps": size / statistics.median(values) / 1e9 * 2 * (world_size - 1) / world_size}
-                for size, values in sorted(by_size.items())
+                {"size_bytes": size, "method": method, "median_s": statistics.median(values),
+                 "busbw_GBps": size / statistics.median(values) / 1e9 * BUS_FACTORS[method](world_size)}
+                for (method, size), values in sorted(by_point.items(), key=lambda item: (order[item[0][0]], item[0][1]))
             ],
         })
     return reports
@@ -175,16 +213,10 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def calibration_objects(rows: list[dict[str, Any]], reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What ``distlm.plan --calibrate`` should fit to: the one-rank rows (achieved FLOP/s,
-    optimizer bandwidth) and, per kind of link, the all-reduce of the fewest ranks (one
-    node: the intra-node link; several: the network). Nothing measured at the larger
-    world sizes the planner is asked to predict."""
-    objects = [row for row in rows if row["world_size"] == 1]
-    smallest: dict[bool, dict[str, Any]] = {}
-    for report in reports:
-        across_nodes = report["ranks_per_node"] < report["world_size"]
-        if across_nodes not in smallest or report["world_size"] < smallest[across_nodes]["world_size"]:
-            smallest[across_nodes] = report
-    return objects + [smallest[kind] for kind in sorted(smallest)]
+    optimizer bandwidth, threads and cores) and every layout's collective probe (each
+    collective alone, so each layout's alpha and beta). No update measured at more than
+    one rank, which is what the planner is asked to predict."""
+    return [row for row in rows if row["world_size"] == 1] + list(reports)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -246,11 +278,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "| optimizer (s) | tokens/s | efficiency | MFU | memory per rank (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (r["mode"], r["strategy"], r["world_size"])):
+    for row in sorted(rows, key=lambda r: (r["mode"], series_label(r), r["world_size"])):
         mfu = f"{row['mfu']:.3f}" if row["mfu"] is not None else "n/a"
         memory = f"{row['memory_bytes_per_rank'] / 2**20:.1f}" if row["memory_bytes_per_rank"] else "n/a"
         lines.append(
-            f"| {row['world_size']} | {row['strategy']} | {row['batch_size']} x {row['update_freq']} "
+            f"| {row['world_size']} | {series_label(row)} | {row['batch_size']} x {row['update_freq']} "
             f"| {row['global_batch_size']} | {row['step_time_s']:.4f} | {row['compute_s']:.4f} "
             f"| {row['comm_exposed_s']:.4f} | {row['optimizer_s']:.4f} | {row['tokens_per_s']:.0f} "
             f"| {row['efficiency']:.3f} | {mfu} | {memory} |"
@@ -260,7 +292,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "step: median update time. compute: the same updates with data-parallel communication off, less their "
         "optimizer part. exposed comm = step - compute - optimizer: the communication that compute did not hide "
         "(noise can make it slightly negative). optimizer: gradient unscale and clipping plus the optimizer step. "
-        "efficiency: tokens/s per rank over that of the smallest world size of the series. "
+        "efficiency: tokens/s per rank over that of the smallest world size of the series (a tensor-parallel "
+        "series: over the 1-rank point of its strategy). "
         "memory: parameters, gradients and optimizer state of the rank holding the most.",
         "",
     ]

@@ -14,9 +14,10 @@ so a sweep over several allocations collects in one directory.
 
 ``--out`` receives results.jsonl (one object per point; the fields are documented in
 benchmarks/README.md), results.md, tokens_per_s.png, efficiency.png, step_breakdown.png,
-allreduce.jsonl (the plain all-reduce probe of each multi-rank layout), calibration.jsonl
-(what ``python -m distlm.plan --calibrate`` should fit to: one-rank rows and all-reduce
-only) and raw/ (every launch's spec, raw timings and output).
+allreduce.jsonl (the collective probe of each multi-rank layout: plain all-reduce,
+all-gather and reduce-scatter, each alone), calibration.jsonl (what ``python -m distlm.plan
+--calibrate`` should fit to: the one-rank rows and the collective probes, no multi-rank
+update) and raw/ (every launch's spec, raw timings and output).
 """
 
 from __future__ import annotations
@@ -27,21 +28,22 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
 from distlm.backends import get_backend
 from distlm.bench import plots, results
-from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch
+from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch, rotated
 from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
 from distlm.choices import COMM_HOOKS, DEVICES, STRATEGIES
 from distlm.config import OneLineErrorParser, whole_number_list
 from distlm.distributed import shutdown
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.plan.model import host_cores
 from distlm.validation import validate
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -55,16 +57,44 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _names(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    for name in names:
-        if name not in STRATEGIES:
-            raise UsageError(f"--strategy {name} is unknown; choose from {', '.join(STRATEGIES)} (comma-separated)")
-    if not names:
-        raise UsageError("--strategy needs at least one of " + ", ".join(STRATEGIES))
-    if len(set(names)) != len(names):
-        raise UsageError(f"--strategy {text} names a strategy twice")
-    return names
+def name_list(flag: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for ``flag``'s comma-separated names out of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        for name in names:
+            if name not in choices:
+                raise UsageError(f"{flag} {name} is unknown; choose from {', '.join(choices)} (comma-separated)")
+        if not names:
+            raise UsageError(f"{flag} needs at least one of " + ", ".join(choices))
+        if len(set(names)) != len(names):
+            raise UsageError(f"{flag} {text} names one twice")
+        return names
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one launch measures: a world size, a comm hook and a tp degree, its strategies."""
+
+    world_size: int
+    comm_hook: str
+    tp_degree: int
+    strategies: tuple[str, ...]
+
+    @property
+    def one_replica(self) -> bool:
+        return self.world_size // self.tp_degree == 1
+
+    def label(self) -> str:
+        settings = "" if self.comm_hook == "allreduce" else f", --comm-hook {self.comm_hook}"
+        settings += "" if self.tp_degree == 1 else f", tp {self.tp_degree}"
+        return f"{self.world_size} rank{'s' if self.world_size > 1 else ''}{settings}"
+
+    def stem(self) -> str:
+        return (f"ranks{self.world_size}" + ("" if self.comm_hook == "allreduce" else f"_{self.comm_hook}")
+                + ("" if self.tp_degree == 1 else f"_tp{self.tp_degree}"))
 
 
 def build_parser() -> OneLineErrorParser:
@@ -77,7 +107,8 @@ def build_parser() -> OneLineErrorParser:
     add("--arch", default="roberta_tiny", help="a distlm arch name (default roberta_tiny)")
     add("--ranks", type=whole_number_list("--ranks"), default=None,
         help="world sizes to measure, e.g. 1,2,4 (default 1,2); inside a launch: its own world size")
-    add("--strategy", type=_names, default=["ddp"], help=f"comma-separated, from {', '.join(STRATEGIES)} (default ddp)")
+    add("--strategy", type=name_list("--strategy", STRATEGIES), default=["ddp"],
+        help=f"comma-separated, from {', '.join(STRATEGIES)} (default ddp)")
     add("--mode", choices=("weak", "strong"), default="weak",
         help="weak: --batch-size per replica at every point; strong: one global batch split over the replicas")
     add("--steps", type=int, default=5, help="timed updates per point and repetition (default 5)")
@@ -91,8 +122,11 @@ def build_parser() -> OneLineErrorParser:
     add("--tokens-per-sample", type=int, default=128, help="tokens per sample (default 128)")
     add("--precision", choices=PRECISIONS, default="fp32",
         help="fp32 (default), bf16 or fp16 (distlm.train's --bf16/--fp16)")
-    add("--comm-hook", choices=COMM_HOOKS, default="allreduce", help="DDP's gradient all-reduce (default allreduce)")
-    add("--tp-degree", type=int, default=1, help="tensor-parallel degree (default 1)")
+    add("--comm-hook", type=name_list("--comm-hook", COMM_HOOKS), default=["allreduce"],
+        help=f"DDP's gradient all-reduce, comma-separated, from {', '.join(COMM_HOOKS)} (default allreduce); "
+             "measured with the strategies that take a hook (ddp, zero1)")
+    add("--tp-degree", type=whole_number_list("--tp-degree"), default=[1],
+        help="tensor-parallel degrees, comma-separated (default 1); each at the world sizes it divides")
     add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
     add("--data", default=None,
         help="as distlm.train's --data: a fairseq-preprocess directory (default: the built-in corpus)")
@@ -100,7 +134,8 @@ def build_parser() -> OneLineErrorParser:
     add("--threads-per-rank", type=int, default=None,
         help="OMP_NUM_THREADS of every rank (default: this machine's cores over the largest world size, at least 1)")
     add("--allreduce-max-mib", type=float, default=16.0,
-        help="largest buffer of the all-reduce probe, 64 KiB x 4^k up to this (default 16; 0: no probe)")
+        help="largest buffer of the collective probe (all-reduce, all-gather, reduce-scatter), 64 KiB x 4^k "
+             "up to this (default 16; 0: no probe)")
     add("--no-plots", action="store_true", help="write no PNG files (matplotlib not needed)")
     add("--out", required=True, help="output directory")
     return parser
@@ -110,10 +145,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The command line, with every value checked on its own (UsageError: one line)."""
     args = build_parser().parse_args(list(argv))
     for flag, minimum in (("steps", 1), ("warmup_steps", 1), ("repeats", 1), ("batch_size", 1),
-                          ("update_freq", 1), ("tokens_per_sample", 1), ("tp_degree", 1)):
+                          ("update_freq", 1), ("tokens_per_sample", 1)):
         value = getattr(args, flag)
         if value < minimum:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least {minimum}, got {value}")
+    for degree in args.tp_degree:
+        if degree < 1:
+            raise UsageError(f"--tp-degree must be at least 1, got {degree}")
+    if len(set(args.tp_degree)) != len(args.tp_degree):
+        raise UsageError(f"--tp-degree {','.join(map(str, args.tp_degree))} names a degree twice")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
         raise UsageError(f"--threads-per-rank must be at least 1, got {args.threads_per_rank}")
     if args.allreduce_max_mib < 0:
@@ -130,30 +170,33 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def check_ranks(ranks: list[int], tp_degree: int) -> None:
-    """UsageError for a world size below 1, not a multiple of the tp degree, or given twice."""
+def check_ranks(ranks: list[int], tp_degrees: list[int]) -> None:
+    """UsageError for a world size below 1, a multiple of none of the tp degrees, or given twice."""
     for count in ranks:
         if count < 1:
             raise UsageError(f"--ranks must be at least 1, got {count}")
-        if count % tp_degree:
-            raise UsageError(f"--ranks {count} is not a multiple of --tp-degree {tp_degree}")
+        if all(count % degree for degree in tp_degrees):
+            raise UsageError(
+                f"--ranks {count} is not a multiple of --tp-degree {','.join(map(str, tp_degrees))}"
+            )
     if len(set(ranks)) != len(ranks):
         raise UsageError(f"--ranks {','.join(map(str, ranks))} names a world size twice")
 
 
 def global_batch_size(args: argparse.Namespace, ranks: list[int]) -> int:
-    """Strong scaling's samples per update: given, or the smallest world size's at --batch-size."""
+    """Strong scaling's samples per update: given, or the fewest replicas of any point at --batch-size."""
     if args.global_batch_size is not None:
         return args.global_batch_size
-    return args.batch_size * args.update_freq * (min(ranks) // args.tp_degree)
+    replicas = min(count // degree for count in ranks for degree in args.tp_degree if count % degree == 0)
+    return args.batch_size * args.update_freq * replicas
 
 
-def replica_batch_size(args: argparse.Namespace, world_size: int, ranks: list[int]) -> int:
-    """Samples per micro-batch per replica at ``world_size``."""
+def replica_batch_size(args: argparse.Namespace, world_size: int, ranks: list[int], tp_degree: int = 1) -> int:
+    """Samples per micro-batch per replica at ``world_size`` with ``tp_degree``."""
     if args.mode == "weak":
         return args.batch_size
     total = global_batch_size(args, ranks)
-    dp = world_size // args.tp_degree
+    dp = world_size // tp_degree
     per_replica, rest = divmod(total, dp * args.update_freq)
     if rest or per_replica == 0:
         raise UsageError(
@@ -173,74 +216,127 @@ def allreduce_sizes(max_mib: float) -> list[int]:
     return sizes
 
 
-def launch_spec(args: argparse.Namespace, world_size: int, strategies: list[str], ranks: list[int]) -> LaunchSpec:
-    """What a launch of ``world_size`` ranks measures, out of the sweep over ``ranks``."""
+def launch_spec(args: argparse.Namespace, launch: Launch, strategies: list[str], ranks: list[int]) -> LaunchSpec:
+    """What ``launch`` measures (``strategies`` in this order), out of the sweep over ``ranks``."""
+    world_size = launch.world_size
     return LaunchSpec(
-        arch=args.arch, strategies=strategies, batch_size=replica_batch_size(args, world_size, ranks),
+        arch=args.arch, strategies=strategies,
+        batch_size=replica_batch_size(args, world_size, ranks, launch.tp_degree),
         update_freq=args.update_freq, tokens_per_sample=args.tokens_per_sample, precision=args.precision,
-        comm_hook=args.comm_hook, tp_degree=args.tp_degree, bucket_cap_mb=args.bucket_cap_mb, device=args.device,
-        steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
+        comm_hook=launch.comm_hook, tp_degree=launch.tp_degree, bucket_cap_mb=args.bucket_cap_mb,
+        device=args.device, steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
         allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 else [],
     )
 
 
-def measured_strategies(args: argparse.Namespace, world_size: int) -> list[str]:
-    """With one data-parallel replica no strategy wraps or shards anything: measure one."""
-    return args.strategy[:1] if world_size // args.tp_degree == 1 else list(args.strategy)
+def plan_launches(args: argparse.Namespace, ranks: list[int], env: ClusterEnv | None = None) -> list[Launch]:
+    """The launches of the sweep, each point checked by distlm.train's own validation first.
 
-
-def preflight(args: argparse.Namespace, ranks: list[int], env: ClusterEnv | None = None) -> None:
-    """distlm.train's own validation of every point, before anything is launched."""
+    Per world size, every tp degree dividing it and every comm hook, with the strategies
+    distlm.train runs them with (comm hooks are DDP's: ddp and zero1 without tensor
+    parallel). With one data-parallel replica nothing communicates and nothing is wrapped
+    or sharded, so one launch of one strategy stands for every strategy and hook of that
+    tp degree. A combination distlm.train refuses is left out (and said so) when the
+    requested values have points elsewhere; a requested value with no point at all is a
+    UsageError with distlm.train's reason.
+    """
     backend = get_backend(args.device)
+    launches, refused, used = [], {}, set()
     for world_size in ranks:
         layout = env or ClusterEnv(
             rank=0, world_size=world_size, local_rank=0, local_world_size=world_size, node_rank=0, num_nodes=1,
             master_addr="127.0.0.1", master_port=29500, launcher="torchelastic",
         )
-        for strategy in args.strategy:
-            validate(launch_spec(args, world_size, [strategy], ranks).trainer_config(strategy), layout, backend)
+        for tp_degree in args.tp_degree:
+            if world_size % tp_degree:
+                continue
+            for comm_hook in args.comm_hook:
+                candidate = Launch(world_size, comm_hook, tp_degree, ())
+                runs = []
+                for strategy in args.strategy:
+                    spec = launch_spec(args, candidate, [strategy], ranks)
+                    try:
+                        validate(spec.trainer_config(strategy), layout, backend)
+                    except UsageError as exc:
+                        refused.setdefault((strategy, comm_hook, tp_degree), exc)
+                        continue
+                    runs.append(strategy)
+                    used |= {("--strategy", strategy), ("--comm-hook", comm_hook), ("--tp-degree", tp_degree)}
+                if runs:
+                    launches.append(Launch(world_size, comm_hook, tp_degree, tuple(runs)))
+    requested = ([("--strategy", name) for name in args.strategy] + [("--comm-hook", name) for name in args.comm_hook]
+                 + [("--tp-degree", degree) for degree in args.tp_degree])
+    for flag, value in requested:
+        if (flag, value) not in used:
+            reasons = [exc for key, exc in refused.items() if value in key]
+            if reasons:
+                raise reasons[0]
+            raise UsageError(f"{flag} {value} has no point in --ranks {','.join(map(str, ranks))}")
+    for (strategy, comm_hook, tp_degree), exc in refused.items():
+        _say(f"distlm.bench scaling: leaving out {strategy} with --comm-hook {comm_hook} and --tp-degree "
+             f"{tp_degree}: {exc}")
+    return launches
 
 
-def rotated(items: list[Any], shift: int) -> list[Any]:
-    """``items`` started ``shift`` places later, wrapping around."""
-    shift %= len(items)
-    return items[shift:] + items[:shift]
+def measured_launches(launches: list[Launch]) -> list[Launch]:
+    """The launches to run: with one data-parallel replica, one strategy of the first hook
+    for each tp degree (it stands for the others)."""
+    kept, seen = [], set()
+    for launch in launches:
+        if launch.one_replica:
+            if (launch.world_size, launch.tp_degree) in seen:
+                continue
+            seen.add((launch.world_size, launch.tp_degree))
+            launch = Launch(launch.world_size, launch.comm_hook, launch.tp_degree, launch.strategies[:1])
+        kept.append(launch)
+    return kept
 
 
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+def combinations(launches: list[Launch]) -> list[list]:
+    """Every [strategy, comm hook, tp degree] distlm.train runs at some world size of the sweep."""
+    found: list[list] = []
+    for launch in launches:
+        for strategy in launch.strategies:
+            if [strategy, launch.comm_hook, launch.tp_degree] not in found:
+                found.append([strategy, launch.comm_hook, launch.tp_degree])
+    return found
 
 
 # ---------------------------------------------------------------------------- running
 
 
-def run_launches(args: argparse.Namespace, ranks: list[int], out_dir: Path) -> list[dict[str, Any]]:
-    """Every world size once per repetition, in rotated order, each in its own torchrun."""
-    threads = args.threads_per_rank or max(1, usable_cores() // max(ranks))
+def run_launches(
+    args: argparse.Namespace, ranks: list[int], planned: list[Launch], out_dir: Path
+) -> list[dict[str, Any]]:
+    """Every launch once per repetition, world sizes in rotated order, each in its own torchrun."""
+    threads = args.threads_per_rank or max(1, host_cores() // max(ranks))
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     launches = []
     _say(f"distlm.bench scaling: {args.arch}, {args.mode} scaling, ranks {','.join(map(str, ranks))}, "
-         f"strategies {','.join(args.strategy)}, {args.repeats} repetition(s), {threads} thread(s) per rank")
+         f"strategies {','.join(args.strategy)}, comm hooks {','.join(args.comm_hook)}, tp degrees "
+         f"{','.join(map(str, args.tp_degree))}, {args.repeats} repetition(s), {threads} thread(s) per rank")
     for repeat in range(args.repeats):
         for world_size in rotated(ranks, repeat):
-            strategies = rotated(measured_strategies(args, world_size), repeat)
-            spec = launch_spec(args, world_size, strategies, ranks)
-            label = f"repetition {repeat + 1}/{args.repeats}, {world_size} rank{'s' if world_size > 1 else ''}"
-            _say(f"[{label}] {', '.join(strategies)}: batch {spec.batch_size} x {spec.update_freq} per replica")
-            started = time.perf_counter()
-            launch = run_torchrun(spec, world_size, threads, raw / f"rep{repeat + 1}_ranks{world_size}", label)
-            launches.append(launch)
-            for times in launch["strategies"]:
-                summary = results.launch_summary(times)
-                compute = "" if summary["compute"] is None else f", compute {summary['compute']:.4f} s"
-                _say(f"[{label}] {times['strategy']}: update {summary['step']:.4f} s{compute}, "
-                     f"optimizer {summary['optimizer']:.4f} s ({time.perf_counter() - started:.0f} s for the launch)")
+            for planned_launch in rotated([item for item in planned if item.world_size == world_size], repeat):
+                strategies = rotated(list(planned_launch.strategies), repeat)
+                spec = launch_spec(args, planned_launch, strategies, ranks)
+                label = f"repetition {repeat + 1}/{args.repeats}, {planned_launch.label()}"
+                _say(f"[{label}] {', '.join(strategies)}: batch {spec.batch_size} x {spec.update_freq} per replica")
+                started = time.perf_counter()
+                stem = raw / f"rep{repeat + 1}_{planned_launch.stem()}"
+                launch = run_torchrun(spec, world_size, threads, stem, label)
+                launches.append(launch)
+                _report(launch, label, started)
     return launches
+
+
+def _report(launch: dict[str, Any], label: str, started: float) -> None:
+    for times in launch["strategies"]:
+        summary = results.launch_summary(times)
+        compute = "" if summary["compute"] is None else f", compute {summary['compute']:.4f} s"
+        _say(f"[{label}] {times['strategy']}: update {summary['step']:.4f} s{compute}, "
+             f"optimizer {summary['optimizer']:.4f} s ({time.perf_counter() - started:.0f} s for the launch)")
 
 
 def run_torchrun(spec: LaunchSpec, world_size: int, threads: int, stem: Path, label: str) -> dict[str, Any]:
@@ -275,26 +371,29 @@ def run_torchrun(spec: LaunchSpec, world_size: int, threads: int, stem: Path, la
     return json.loads(out_path.read_text())
 
 
-def run_in_place(args: argparse.Namespace, env: ClusterEnv) -> list[dict[str, Any]]:
+def run_in_place(args: argparse.Namespace, env: ClusterEnv, planned: list[Launch]) -> list[dict[str, Any]]:
     """This launch's world size, every repetition in this process; complete on rank 0."""
     ranks = [env.world_size]
     launches = []
     for repeat in range(args.repeats):
-        strategies = rotated(measured_strategies(args, env.world_size), repeat)
-        spec = launch_spec(args, env.world_size, strategies, ranks)
-        label = f"repetition {repeat + 1}/{args.repeats}, {env.world_size} ranks in place"
+        for planned_launch in rotated(planned, repeat):
+            strategies = rotated(list(planned_launch.strategies), repeat)
+            spec = launch_spec(args, planned_launch, strategies, ranks)
+            label = f"repetition {repeat + 1}/{args.repeats}, {planned_launch.label()} in place"
 
-        def progress(line: str) -> None:
-            if env.rank == 0:
-                _say(f"[{label}] {line}")
+            def progress(line: str, label: str = label) -> None:
+                if env.rank == 0:
+                    _say(f"[{label}] {line}")
 
-        launches.append({"spec": asdict(spec), **measure_launch(spec, progress)})
+            launches.append({"spec": asdict(spec), **measure_launch(spec, progress)})
     return launches
 
 
-def write_outputs(args: argparse.Namespace, launches: list[dict[str, Any]], out_dir: Path, merge: bool) -> list[dict]:
+def write_outputs(
+    args: argparse.Namespace, launches: list[dict[str, Any]], combos: list[list], out_dir: Path, merge: bool
+) -> list[dict]:
     """results.jsonl, allreduce.jsonl, calibration.jsonl, results.md and the plots."""
-    settings = {"arch": args.arch, "mode": args.mode, "strategies": args.strategy}
+    settings = {"arch": args.arch, "mode": args.mode, "strategies": args.strategy, "combinations": combos}
     rows = results.point_rows(launches, settings)
     reports = results.allreduce_reports(launches)
     if merge:
@@ -332,16 +431,17 @@ def main(argv: Sequence[str]) -> int:
                 raise UsageError(
                     "--mode strong inside a launch needs --global-batch-size, the same in every launch of the sweep"
                 )
-            preflight(args, [env.world_size], env)
-            launches = run_in_place(args, env)
+            planned = plan_launches(args, [env.world_size], env)
+            launches = run_in_place(args, env, measured_launches(planned))
         else:
             ranks = sorted(args.ranks or [1, 2])
-            preflight(args, ranks)
+            check_ranks(ranks, args.tp_degree)
+            planned = plan_launches(args, ranks)
             out_dir.mkdir(parents=True, exist_ok=True)
-            launches = run_launches(args, ranks, out_dir)
+            launches = run_launches(args, ranks, measured_launches(planned), out_dir)
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            rows = write_outputs(args, launches, out_dir, merge=in_place)
+            rows = write_outputs(args, launches, combinations(planned), out_dir, merge=in_place)
             _say(results.markdown_table(rows))
             _say(f"wrote {out_dir / results.RESULTS} ({len(rows)} points), {results.TABLE}"
                  + ("" if args.no_plots else ", " + ", ".join(plots.PLOTS)))

@@ -12,6 +12,7 @@ machine from measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -72,11 +73,20 @@ def build_parser() -> OneLineErrorParser:
 def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
     """Project the parsed command line: ``(rows, header lines)``."""
     cluster = load_cluster(args.cluster, args.ranks_per_node)
+    if cluster.single_host and args.ranks and args.ranks_per_node is None:
+        # This machine: --ranks N are N ranks on it, one node however many there are.
+        cluster = dataclasses.replace(cluster, ranks_per_node=max(args.ranks))
     notes: list[str] = []
     if args.calibrate is not None:
         calibration = calibrate(read_measurements(args.calibrate), args.vocab_size)
         cluster = calibration.apply(cluster)
         notes += [f"calibrated: {note}" for note in calibration.notes]
+    if cluster.device_type == "cpu" and cluster.cores_per_node:
+        notes.append(
+            f"{cluster.cores_per_node} cores per {'host' if cluster.single_host else 'node'}, "
+            f"{cluster.cpu_threads_per_rank or 1} thread(s) per rank: more ranks x threads than cores slow every "
+            "rank down by their ratio, and collectives overlap compute only while a core is idle"
+        )
     shape = model_shape(args.arch, args.vocab_size)
     rows = []
     for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree):

@@ -3,18 +3,23 @@
 Two kinds of JSON objects are read from one file, in any order, one per line or pretty
 printed one after another:
 
-* the report ``benchmarks/allreduce.py`` prints (``"benchmark": "allreduce"``): its flat
-  all-reduce points (``collectives`` rows of method ``plain``) give the link;
+* the report ``benchmarks/allreduce.py`` prints (``"benchmark": "allreduce"``), and the
+  scaling suite's collective probe in the same format: its flat all-reduce points
+  (``collectives`` rows of method ``plain``) give the link; rows of method ``all_gather``
+  (``size_bytes``: the gathered output) and ``reduce_scatter`` (the reduced input), which
+  the suite's probe adds, give those collectives their own costs;
 * rows of the scaling suite (``world_size``, ``strategy``, ``tokens_per_s``, ``step_time_s``,
   ``compute_s``, ``comm_exposed_s``, ``optimizer_s``, ``memory_bytes_per_rank``, ``mfu``,
   ``efficiency``, ``arch``, ``batch_size``, ``tokens_per_sample``, ``precision``): their
-  one-rank rows give the achieved FLOP/s (the FLOPs the step runs over its compute time)
-  and the optimizer's memory bandwidth.
+  one-rank rows give the achieved FLOP/s (the FLOPs the step runs over its compute time),
+  the optimizer's memory bandwidth, and (``threads_per_rank``, ``host_cores``) how many
+  threads a rank computed with on how many cores.
 
-The link fit is least squares of ``time = alpha_total + bytes x beta_total`` in relative
-error (every size weighs alike, from 64 KiB to 256 MiB), then read through the ring
-all-reduce formula ``2 (p-1) alpha + 2 (p-1)/p x n / bandwidth`` as a per-step latency and
-a bus bandwidth.
+Each collective's fit is least squares of ``time = alpha + bytes x beta`` in relative error
+(every size weighs alike, from 64 KiB to 256 MiB), per collective and layout; the planner
+uses it for a group of that shape. The all-reduce fit of the fewest ranks is also read
+through the ring formula ``2 (p-1) latency + 2 (p-1)/p x n / bandwidth`` as a per-step
+latency and a bus bandwidth: the link, for groups no probe measured.
 """
 
 from __future__ import annotations
@@ -31,16 +36,20 @@ from distlm.plan.flops import count_parameters, dtype_name, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
 
 SCALING_FIELDS = ("world_size", "strategy", "tokens_per_s", "step_time_s", "compute_s")
+# A probe row's method -> the collective it times.
+PROBE_METHODS = {"plain": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
 @dataclass(frozen=True)
 class CollectivePoint:
-    """One timed all-reduce: ``nbytes`` over ``ranks`` ranks (``ranks_per_node`` per node) in ``seconds``."""
+    """One timed collective: ``nbytes`` over ``ranks`` ranks (``ranks_per_node`` per node) in ``seconds``."""
 
     nbytes: float
     seconds: float
     ranks: int
     ranks_per_node: int
+    kind: str = "all_reduce"
+    """``all_reduce``, ``all_gather`` (``nbytes``: the gathered output) or ``reduce_scatter`` (the input)."""
 
 
 @dataclass
@@ -55,18 +64,30 @@ class Calibration:
 
     intra: Link | None = None
     inter: Link | None = None
+    collectives: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict)
+    """``(collective, ranks, ranks per node) -> (alpha, beta)`` of each probed layout."""
     achieved_flops: dict[str, float] = field(default_factory=dict)
     memory_bandwidth_Bps: float | None = None
+    threads_per_rank: int | None = None
+    """Threads each rank computed with in the one-rank rows (the achieved FLOP/s are theirs)."""
+    host_cores: int | None = None
+    """Cores of the host the one-rank rows ran on."""
     notes: list[str] = field(default_factory=list)
 
     def apply(self, cluster: Cluster) -> Cluster:
-        """``cluster`` with the calibrated numbers in place of its profile's."""
+        """``cluster`` with the calibrated numbers in place of its profile's. A CPU cluster
+        also takes the measured threads per rank and cores: the achieved FLOP/s hold for them."""
+        cpu = cluster.device_type == "cpu"
         return dataclasses.replace(
             cluster,
             intra=self.intra or cluster.intra,
             inter=self.inter or cluster.inter,
+            measured_collectives={**cluster.measured_collectives, **self.collectives},
             achieved_flops={**cluster.achieved_flops, **self.achieved_flops},
             memory_bandwidth_Bps=self.memory_bandwidth_Bps or cluster.memory_bandwidth_Bps,
+            cpu_threads_per_rank=(self.threads_per_rank if cpu and self.threads_per_rank
+                                  else cluster.cpu_threads_per_rank),
+            cores_per_node=self.host_cores if cpu and self.host_cores else cluster.cores_per_node,
         )
 
 
@@ -104,12 +125,13 @@ def _add_object(obj: Any, measurements: Measurements, where: str) -> None:
         if not isinstance(world, int) or world < 2 or not isinstance(per_node, int) or per_node < 1:
             raise UsageError(f"{where}: an all-reduce report needs world_size >= 2 and ranks_per_node")
         for row in obj.get("collectives", []):
-            if row.get("method") != "plain":
+            kind = PROBE_METHODS.get(row.get("method"))
+            if kind is None:  # fp16, hierarchical, ...: distlm's own reducers, not the plain collectives
                 continue
             nbytes, seconds = row.get("size_bytes"), row.get("median_s")
             if not _positive(nbytes) or not _positive(seconds):
                 raise UsageError(f"{where}: collectives row {row} needs positive size_bytes and median_s")
-            measurements.collectives.append(CollectivePoint(float(nbytes), float(seconds), world, per_node))
+            measurements.collectives.append(CollectivePoint(float(nbytes), float(seconds), world, per_node, kind))
         return
     if isinstance(obj, dict) and all(name in obj for name in SCALING_FIELDS):
         measurements.scaling_rows.append(obj)
@@ -147,7 +169,7 @@ def fit_line(x: list[float], y: list[float], relative: bool = True) -> tuple[flo
 
 
 def fit_alpha_beta(points: list[CollectivePoint]) -> tuple[float, float]:
-    """``(alpha, beta)`` of ``time = alpha + bytes x beta`` over all-reduce points of one world size."""
+    """``(alpha, beta)`` of ``time = alpha + bytes x beta`` over points of one collective and layout."""
     return fit_line([p.nbytes for p in points], [p.seconds for p in points])
 
 
@@ -159,39 +181,55 @@ def link_from_allreduce(alpha: float, beta: float, ranks: int) -> Link:
 
 
 def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Calibration:
-    """Fit links from the all-reduce points (one-node reports: the intra-node link; multi-node:
-    the network) and achieved FLOP/s and memory bandwidth from one-rank scaling rows."""
+    """Fit each probed collective and layout, the links (the all-reduce of the fewest ranks
+    in one node: the intra-node link; across nodes: the network), and achieved FLOP/s,
+    memory bandwidth, threads and cores from one-rank scaling rows."""
     result = Calibration()
-    by_layout: dict[tuple[int, int], list[CollectivePoint]] = {}
+    by_layout: dict[tuple[str, int, int], list[CollectivePoint]] = {}
     for point in measurements.collectives:
-        by_layout.setdefault((point.ranks, point.ranks_per_node), []).append(point)
-    for (ranks, per_node), points in sorted(by_layout.items()):
+        by_layout.setdefault((point.kind, point.ranks, point.ranks_per_node), []).append(point)
+    for (kind, ranks, per_node), points in sorted(by_layout.items(), key=lambda item: (item[0][1], item[0])):
+        name = kind.replace("_", "-")
         if len({p.nbytes for p in points}) < 2:
-            raise UsageError(f"--calibrate: the {ranks}-rank all-reduce report needs at least two buffer sizes to fit")
+            raise UsageError(f"--calibrate: the {ranks}-rank {name} report needs at least two buffer sizes to fit")
         alpha, beta = fit_alpha_beta(points)
         if beta <= 0:
             raise UsageError(
-                f"--calibrate: the {ranks}-rank all-reduce times do not grow with size; cannot fit a bandwidth"
+                f"--calibrate: the {ranks}-rank {name} times do not grow with size; cannot fit a bandwidth"
             )
-        link = link_from_allreduce(alpha, beta, ranks)
+        result.collectives[(kind, ranks, per_node)] = (alpha, beta)
         worst = max(abs(alpha + beta * p.nbytes - p.seconds) / p.seconds for p in points)
         across_nodes = per_node < ranks
+        where = f"{ranks} ranks" + (f" ({per_node} per node)" if across_nodes else "")
+        result.notes.append(
+            f"{name} at {where} from {len(points)} sizes: {alpha * 1e6:.0f} us + bytes at {1 / beta / 1e9:.3f} GB/s "
+            f"(fit within {worst:.0%} of every point)"
+        )
+        if kind != "all_reduce" or (result.inter if across_nodes else result.intra) is not None:
+            continue
+        # The fewest ranks set the link for groups no probe measured.
+        link = link_from_allreduce(alpha, beta, ranks)
         if across_nodes:
             # A flat ring over several nodes runs at the node network's pace (see model.group_link).
             result.inter = link
         else:
             result.intra = link
         result.notes.append(
-            f"{'network' if across_nodes else 'intra-node link'} from {len(points)} all-reduce sizes at {ranks} ranks: "
-            f"latency {link.latency_s * 1e6:.1f} us per step, bandwidth {link.bandwidth_Bps / 1e9:.3f} GB/s "
-            f"(fit within {worst:.0%} of every point)"
+            f"{'network' if across_nodes else 'intra-node link'} from the {ranks}-rank all-reduce: "
+            f"latency {link.latency_s * 1e6:.1f} us per step, bandwidth {link.bandwidth_Bps / 1e9:.3f} GB/s"
         )
 
     rates: dict[str, list[float]] = {}
     bandwidths: list[float] = []
+    threads: set[int] = set()
+    cores: set[int] = set()
     for row in measurements.scaling_rows:
         if row["world_size"] != 1:
             continue
+        if isinstance(row.get("threads_per_rank"), int) and row["threads_per_rank"] > 0:
+            threads.add(row["threads_per_rank"])
+        if isinstance(row.get("host_cores"), int) and row["host_cores"] > 0:
+            cores.add(row["host_cores"])
         try:
             shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
             tokens = int(row["tokens_per_sample"])
@@ -213,6 +251,19 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
     if bandwidths:
         result.memory_bandwidth_Bps = statistics.median(bandwidths)
         result.notes.append(f"optimizer step at {result.memory_bandwidth_Bps / 1e9:.2f} GB/s of parameter state")
+    if len(threads) > 1 or len(cores) > 1:
+        raise UsageError(
+            f"--calibrate: the one-rank rows ran with {sorted(threads)} threads per rank on {sorted(cores)} cores; "
+            "calibrate from rows of one setting"
+        )
+    if threads:
+        result.threads_per_rank = threads.pop()
+    if cores:
+        result.host_cores = cores.pop()
+    if result.threads_per_rank or result.host_cores:
+        result.notes.append(
+            f"one-rank rows: {result.threads_per_rank or '?'} thread(s) per rank on {result.host_cores or '?'} cores"
+        )
     if not result.notes:
         raise UsageError("--calibrate: nothing to fit: no plain all-reduce points and no one-rank scaling rows")
     return result

@@ -8,7 +8,10 @@ matrix multiply, so their tables are left out, except where a table is also the 
 projection (RoBERTa's tied LM head), which multiplies like any weight.
 
 Peak FLOP/s are per rank: one GPU, one Trainium1 NeuronCore-v2, one Trainium2 logical
-NeuronCore (LNC=2, four per chip), or this CPU as a timed matmul measures it.
+NeuronCore (LNC=2, four per chip), or this CPU as a timed matmul measures it. The device
+of this process is named by torch for CUDA, and by the EC2 instance type for Trainium
+(``neuron`` and ``xla`` devices): ``DISTLM_INSTANCE_TYPE``, else the DMI product name EC2
+sets (``trn1.32xlarge``). ``DISTLM_PEAK_TFLOPS`` gives the peak of a device the table lacks.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,14 +284,20 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "trainium2": {"bf16": 166.75, "fp16": 166.75, "fp32": 45.25},
 }
 
-# How device names spell each entry (torch.cuda.get_device_name(), instance families).
+# How device names spell each entry: torch.cuda.get_device_name(), and EC2 instance types
+# (p3dn.24xlarge: V100, p4d/p4de: A100, p5.48xlarge: H100, trn1/trn1n: Trainium1, trn2: Trainium2).
 _DEVICE_ALIASES = {
-    "V100": ("v100",),
-    "A100": ("a100",),
-    "H100": ("h100",),
+    "V100": ("v100", "p3.", "p3dn."),
+    "A100": ("a100", "p4d.", "p4de."),
+    "H100": ("h100", "p5."),
     "trainium1": ("trainium1", "trainium", "trn1", "neuroncore-v2"),
     "trainium2": ("trainium2", "trn2", "neuroncore-v3"),
 }
+DEVICE_TYPES = ("cuda", "neuron", "xla", "cpu")
+INSTANCE_TYPE_VARIABLE = "DISTLM_INSTANCE_TYPE"
+PEAK_VARIABLE = "DISTLM_PEAK_TFLOPS"
+# EC2 writes the instance type here (e.g. "trn1.32xlarge"); containers may hide it.
+PRODUCT_NAME_PATH = Path("/sys/devices/virtual/dmi/id/product_name")
 
 
 def dtype_name(dtype: object) -> str:
@@ -298,38 +308,81 @@ def dtype_name(dtype: object) -> str:
     return _DTYPE_NAMES[key]
 
 
+def instance_type() -> str | None:
+    """This machine's EC2 instance type: ``DISTLM_INSTANCE_TYPE``, else the DMI product
+    name; None when neither says anything."""
+    named = os.environ.get(INSTANCE_TYPE_VARIABLE, "").strip()
+    if named:
+        return named
+    try:
+        return PRODUCT_NAME_PATH.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def local_device_name(device_type: str) -> str | None:
+    """The name of this process's ``device_type`` device for the peak table: torch's for
+    CUDA, the instance type for Trainium (``neuron``, ``xla``); None when unknown."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else instance_type()
+    if device_type in ("neuron", "xla"):
+        return instance_type()
+    return None
+
+
 def device_key(device_type: str, device_name: str | None) -> str:
-    """The ``PEAK_TFLOPS`` entry of a device, e.g. ``A100`` for "NVIDIA A100-SXM4-40GB"."""
+    """The ``PEAK_TFLOPS`` entry of a device, e.g. ``A100`` for "NVIDIA A100-SXM4-40GB" or
+    ``trainium1`` for "trn1.32xlarge"."""
     name = (device_name or "").lower()
     # Longest alias first, so "trainium2" is not read as "trainium".
     for key, aliases in sorted(_DEVICE_ALIASES.items(), key=lambda item: -max(map(len, item[1]))):
         if any(alias in name for alias in aliases):
             return key
     known = ", ".join(PEAK_TFLOPS)
+    if device_name is None and device_type in ("neuron", "xla"):
+        raise UsageError(
+            f"no peak FLOP/s known for the {device_type} device: no EC2 instance type found "
+            f"(set {INSTANCE_TYPE_VARIABLE}, e.g. trn1.32xlarge or trn2.48xlarge, or {PEAK_VARIABLE})"
+        )
     raise UsageError(
         f"no peak FLOP/s known for {device_type} device {device_name!r}; known devices: {known} "
-        "(or calibrate with --calibrate)"
+        f"(set {PEAK_VARIABLE} to its dense peak, or calibrate with --calibrate)"
     )
 
 
 def peak_flops(device_type: str, dtype: object, device_name: str | None = None) -> float:
-    """Peak dense FLOP/s of one rank on ``device_type`` (cuda, neuron, cpu) in ``dtype``.
+    """Peak dense FLOP/s of one rank on ``device_type`` (cuda, neuron, xla, cpu) in ``dtype``.
 
-    For ``cpu`` the peak is measured (``measure_cpu_matmul_flops``); for ``cuda`` without
-    a ``device_name`` the current device's name is asked of torch.
+    For ``cpu`` the peak is measured (``measure_cpu_matmul_flops``); without a
+    ``device_name``, this process's device is named (``local_device_name``).
     """
     precision = dtype_name(dtype)
     if device_type == "cpu":
         return measure_cpu_matmul_flops(precision)
-    if device_type == "cuda" and device_name is None and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name()
-    if device_type not in ("cuda", "neuron"):
-        raise UsageError(f"device type {device_type!r} is unknown; choose cuda, neuron or cpu")
+    if device_type not in DEVICE_TYPES:
+        raise UsageError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)}")
+    if device_name is None:
+        device_name = local_device_name(device_type)
     key = device_key(device_type, device_name)
     table = PEAK_TFLOPS[key]
     if precision not in table:
         raise UsageError(f"{key} has no {precision} arithmetic; choose one of {', '.join(table)}")
     return table[precision] * 1e12
+
+
+def device_peak_flops(device_type: str, dtype: object) -> float:
+    """Peak FLOP/s of this process's accelerator in ``dtype``: ``DISTLM_PEAK_TFLOPS`` when
+    set, else the table entry of the device (``peak_flops``). UsageError when neither knows."""
+    given = os.environ.get(PEAK_VARIABLE, "").strip()
+    if given:
+        try:
+            value = float(given)
+        except ValueError:
+            value = 0.0
+        if not value > 0 or not math.isfinite(value):
+            raise UsageError(f"{PEAK_VARIABLE}={given!r} must be a positive number of TFLOP/s")
+        return value * 1e12
+    return peak_flops(device_type, dtype)
 
 
 def model_flops_utilization(

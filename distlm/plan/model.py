@@ -5,6 +5,9 @@
 * Communication: each collective from an alpha-beta model, latency plus bytes over
   bandwidth, on the link it crosses: the intra-node link per rank (NVLink/NVSwitch,
   NeuronLink) or the node's network (EFA), which the node's concurrent groups share.
+  All-gather and reduce-scatter have their own costs: ring formulas on the link, or
+  their own measured alpha and beta (``--calibrate`` with a collective probe); a backend
+  without a reduce-scatter of its own (gloo) runs it as an all-reduce of the whole input.
 * Overlap, as each strategy really allows it:
   - DDP (and ZeRO-1's gradient all-reduce): gradient buckets are all-reduced one after
     another as backward fills them, so all but what remains after the last bucket is
@@ -13,9 +16,14 @@
     optimizer step, a whole step of compute, to finish;
   - FSDP: each block's all-gather is prefetched during the previous block's compute,
     reduce-scatters run behind the next blocks' backward; the first all-gathers and the
-    last reduce-scatter are exposed (simulated block by block);
+    last reduce-scatter are exposed (simulated block by block); FSDP's copies into and
+    out of the collective buffers run on the rank's compute engine at its memory bandwidth;
   - ZeRO-1's parameter sync after the optimizer step and tensor-parallel activation
     all-reduces sit on the critical path.
+* CPU ranks (the ``local`` profile): collectives run on the host's cores, so when every
+  core computes (ranks x threads >= cores) nothing overlaps: each collective adds its
+  whole time. More ranks x threads than cores share them: compute, optimizer and copies
+  slow down by ranks x threads / cores.
 * Memory: fp32 weights, fp32 gradients and Adam's two fp32 moments (16 bytes a parameter,
   as distlm keeps them in every precision mode), sharded as the strategy shards them,
   split by the tensor-parallel degree where the model's TP plan splits them; plus an
@@ -63,6 +71,7 @@ ADAM_BYTES_PER_PARAM = 40
 # keep the scores.
 ACTIVATION_BYTES_PER_TOKEN_UNIT = 34.0
 PROFILES_PACKAGE = "distlm.plan"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 # --------------------------------------------------------------------------- cluster
@@ -100,6 +109,15 @@ class Cluster:
     """Measured achieved FLOP/s per rank (calibration); wins over peak x fraction."""
     cpu_threads_per_rank: int | None = None
     """For ``cpu``: threads each rank uses, which the matmul probe measures with."""
+    cores_per_node: int | None = None
+    """For ``cpu``: the cores a node's ranks share (compute and collectives alike)."""
+    single_host: bool = False
+    """Every rank runs on this one host, simulated nodes included (``local``)."""
+    reduce_scatter_via_allreduce: bool = False
+    """The backend has no reduce-scatter of its own and all-reduces the whole input (gloo)."""
+    measured_collectives: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict)
+    """``(collective, ranks, ranks per node) -> (alpha, beta)``: measured ``alpha + bytes x beta``
+    of one group alone (calibration); wins over the link's formulas for a group of that shape."""
 
     def peak_flops_per_rank(self, precision: str) -> float:
         if self.device_type == "cpu":
@@ -188,8 +206,15 @@ def _cluster_from_table(data: dict[str, Any], source: str, ranks_per_node: int |
     inter_efficiency = number(inter, "efficiency", "inter_node.")
     if inter_efficiency > 1:
         raise UsageError(f"--cluster {source}: inter_node.efficiency is a fraction of the nominal rate, at most 1")
+    flags = {}
+    for key in ("single_host", "reduce_scatter_via_allreduce"):
+        value = data.get(key, False)
+        if not isinstance(value, bool):
+            raise UsageError(f"--cluster {source}: {key} must be true or false, got {value!r}")
+        flags[key] = value
     # Ranks of this machine share its cores, so the CPU probe measures one rank's share.
-    threads = max(1, (os.cpu_count() or 1) // rpn) if device_type == "cpu" else None
+    cores = host_cores() if device_type == "cpu" else None
+    threads = max(1, cores // rpn) if cores is not None else None
     return Cluster(
         name=str(data.get("name", source)),
         device_type=device_type,
@@ -206,7 +231,17 @@ def _cluster_from_table(data: dict[str, Any], source: str, ranks_per_node: int |
         ),
         achieved_fraction=achieved_fraction,
         cpu_threads_per_rank=threads,
+        cores_per_node=cores,
+        **flags,
     )
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its CPU affinity), which a CPU node's ranks share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------- collectives
@@ -271,6 +306,38 @@ def flat_allreduce_time(nbytes: float, group: Group, cluster: Cluster, algorithm
     return tree if algorithm == "tree" else min(ring, tree)
 
 
+def measured_collective(kind: str, group: Group, cluster: Cluster) -> tuple[float, float] | None:
+    """The calibrated ``(alpha, beta)`` of ``kind`` over a group of ``group``'s shape, if one
+    was measured: a group alone (a probe times one group, not several sharing a network)."""
+    if group.concurrent != 1:
+        return None
+    per_node = group.ranks if cluster.single_host else math.ceil(group.ranks / group.nodes)
+    return cluster.measured_collectives.get((kind, group.ranks, per_node))
+
+
+def collective_time(kind: str, nbytes: float, group: Group, cluster: Cluster, algorithm: str = "ring") -> float:
+    """One ``kind`` collective (``all_reduce``, ``all_gather``, ``reduce_scatter``) over
+    ``group``; ``nbytes`` is the all-reduced buffer, the all-gathered output or the
+    reduce-scattered input. A measured alpha-beta of a group of this shape wins; otherwise
+    the ring formula on the group's link (``algorithm`` for all-reduce). A backend without
+    a reduce-scatter of its own (``reduce_scatter_via_allreduce``) pays an all-reduce of
+    the whole input."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}")
+    if group.ranks <= 1 or nbytes <= 0:
+        return 0.0
+    measured = measured_collective(kind, group, cluster)
+    if measured is None and kind == "reduce_scatter" and cluster.reduce_scatter_via_allreduce:
+        kind = "all_reduce"
+        measured = measured_collective(kind, group, cluster)
+    if measured is not None:
+        alpha, beta = measured
+        return alpha + beta * nbytes
+    if kind == "all_reduce":
+        return flat_allreduce_time(nbytes, group, cluster, algorithm)
+    return reduce_scatter_time(nbytes, group.ranks, group_link(group, cluster))
+
+
 def hierarchical_allreduce_time(
     nbytes: float, nodes: int, ranks_per_node: int, cluster: Cluster, inter_bytes_factor: float = 1.0,
     algorithm: str = "ring",
@@ -281,11 +348,39 @@ def hierarchical_allreduce_time(
     fp16 inter-node leg of ``hierarchical-fp16``."""
     if nodes * ranks_per_node <= 1:
         return 0.0
-    intra = reduce_scatter_time(nbytes, ranks_per_node, cluster.intra)
-    intra += all_gather_time(nbytes, ranks_per_node, cluster.intra)
+    node = Group(ranks=ranks_per_node, nodes=1)
+    intra = collective_time("reduce_scatter", nbytes, node, cluster)
+    intra += collective_time("all_gather", nbytes, node, cluster)
     inter_group = Group(ranks=nodes, nodes=nodes, concurrent=ranks_per_node)
-    inter = flat_allreduce_time(nbytes / ranks_per_node * inter_bytes_factor, inter_group, cluster, algorithm)
+    inter = collective_time("all_reduce", nbytes / ranks_per_node * inter_bytes_factor, inter_group, cluster, algorithm)
     return intra + inter
+
+
+def host_ranks(layout: Layout, cluster: Cluster) -> int:
+    """Ranks sharing one host's cores: a node's, or every rank on a single host."""
+    return layout.world if cluster.single_host else layout.ranks_per_node
+
+
+def cpu_busy_threads(layout: Layout, cluster: Cluster) -> int | None:
+    """Compute threads on one CPU host (ranks x threads per rank); None off CPU."""
+    if cluster.device_type != "cpu" or not cluster.cores_per_node:
+        return None
+    return host_ranks(layout, cluster) * (cluster.cpu_threads_per_rank or 1)
+
+
+def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
+    """How much slower each rank computes because its host's cores are shared: ranks x
+    threads over cores when they exceed them (the scheduler time-slices), else 1."""
+    busy = cpu_busy_threads(layout, cluster)
+    return 1.0 if busy is None else max(1.0, busy / cluster.cores_per_node)
+
+
+def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
+    """Whether collectives can run beside compute. Accelerators have engines of their own
+    for them; CPU ranks need a core, and when every core computes (ranks x threads >=
+    cores) each collective's time adds to the step."""
+    busy = cpu_busy_threads(layout, cluster)
+    return busy is None or busy < cluster.cores_per_node
 
 
 # ----------------------------------------------------------------------- workload
@@ -358,10 +453,16 @@ class Projection:
     samples_per_s: float
     efficiency: float
     mfu: float
+    compute_slowdown: float
+    """Compute, optimizer and copies run this much slower because ranks share a host's cores."""
     compute_s: float
     tp_comm_s: float
     dp_comm_s: float
+    """Data-parallel collectives, one after another, hidden or not."""
+    fsdp_copy_s: float
+    """FSDP's copies into and out of its collective buffers (on the compute engine)."""
     comm_exposed_s: float
+    """What the update waits for beyond compute and optimizer: collectives not hidden, and FSDP's copies."""
     optimizer_s: float
     param_bytes: float
     grad_bytes: float
@@ -491,7 +592,7 @@ def micro_batch_segments(
     s, tp = workload.shape, layout.tp
     local = local_parameters(s, tp)
     tokens = workload.tokens_per_micro_batch
-    flops_rate = cluster.achieved_flops_per_rank(workload.precision)
+    flops_rate = cluster.achieved_flops_per_rank(workload.precision) / compute_slowdown(layout, cluster)
     # Forward FLOPs per token: 2 per multiplied parameter, and 4 x heads x head size x T
     # for the QK^T and AV products (the heads are split over the tensor-parallel ranks).
     attention = 4.0 * s.attention_dim * workload.tokens_per_sample / tp
@@ -502,7 +603,7 @@ def micro_batch_segments(
     # Tensor parallel: two activation all-reduces per block in forward (after attention and
     # after the feed-forward) and two in backward (their input gradients), as all-reduces
     # or, with sequence parallel, as all-gathers + reduce-scatters of the same bytes.
-    tp_allreduce = ring_allreduce_time(tokens * s.dim * workload.activation_bytes, tp, cluster.intra)
+    tp_allreduce = collective_time("all_reduce", tokens * s.dim * workload.activation_bytes, Group(tp, 1), cluster)
     tp_fwd = 2 * tp_allreduce
     tp_bwd = 2 * tp_allreduce + (tp_fwd if workload.activation_checkpointing else 0.0)
     forward = [Segment(0.0, 0.0)] + [Segment(fwd_block + tp_fwd, 0.0)] * s.n_layers + [Segment(fwd_head, 0.0)]
@@ -526,10 +627,14 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: f
 
 
 def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """The memory-bound AdamW step over the parameters this rank updates."""
+    """The memory-bound AdamW step over the parameters this rank updates; with FSDP's
+    sharded gradients, clipping adds an all-reduce of the squared norm."""
     local = local_parameters(workload.shape, layout.tp).total
     updated = local if workload.strategy == "ddp" or layout.dp == 1 else local / layout.dp
-    return updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
+    seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps * compute_slowdown(layout, cluster)
+    if workload.strategy == "fsdp" and layout.dp > 1:
+        seconds += collective_time("all_reduce", 4, layout.dp_group(), cluster, "auto")
+    return seconds
 
 
 # ------------------------------------------------------------------- data parallel
@@ -540,9 +645,9 @@ def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Layout, c
     group = layout.dp_group()
     hook = workload.comm_hook
     if hook == "allreduce":
-        return flat_allreduce_time(nbytes, group, cluster, workload.allreduce_algorithm)
+        return collective_time("all_reduce", nbytes, group, cluster, workload.allreduce_algorithm)
     if hook in ("fp16", "bf16"):
-        return flat_allreduce_time(nbytes / 2, group, cluster, workload.allreduce_algorithm)
+        return collective_time("all_reduce", nbytes / 2, group, cluster, workload.allreduce_algorithm)
     factor = 0.5 if hook == "hierarchical-fp16" else 1.0
     return hierarchical_allreduce_time(
         nbytes, layout.nodes, layout.ranks_per_node, cluster, factor, workload.allreduce_algorithm
@@ -606,23 +711,36 @@ def exposed_ddp_seconds(
 
 
 def fsdp_micro_batch(
-    workload: Workload, layout: Layout, cluster: Cluster, forward: list[Segment], backward: list[Segment], reduce: bool
-) -> tuple[float, float]:
-    """(elapsed seconds, communication seconds) of one FSDP micro-batch:
-    per-block all-gathers prefetched one block ahead on one communication stream, the
-    last block kept gathered after forward, the root's parameters gathered once, and each
-    block's gradients reduce-scattered (fp32) after its backward when ``reduce``."""
+    workload: Workload, layout: Layout, cluster: Cluster, forward: list[Segment], backward: list[Segment],
+    reduce: bool, overlap: bool = True,
+) -> tuple[float, float, float]:
+    """(elapsed, communication, copy) seconds of one FSDP micro-batch: per-block
+    all-gathers prefetched one block ahead on one communication stream, the last block
+    kept gathered after forward, the root's parameters gathered once, and each block's
+    gradients reduce-scattered (fp32) after its backward when ``reduce``.
+
+    FSDP2 copies each all-gather's shards into its input buffer and the gathered buffer
+    out to the parameters (2 x bytes x (1 + 1/p) of memory traffic), and each block's
+    gradients into the reduce-scatter's input (2 x 4 bytes a parameter); these copies run
+    on the rank's compute at its memory bandwidth. Without ``overlap`` (CPU ranks on busy
+    cores) every collective and copy adds to the compute."""
     group = layout.dp_group()
-    link = group_link(group, cluster)
     gather_bytes = 4 if workload.precision == "fp32" else 2
     local = local_parameters(workload.shape, layout.tp)
     n = workload.shape.n_layers
+    copy_rate = cluster.memory_bandwidth_Bps / compute_slowdown(layout, cluster)
 
     def gather(params: float) -> float:
-        return all_gather_time(params * gather_bytes, group.ranks, link)
+        return collective_time("all_gather", params * gather_bytes, group, cluster)
+
+    def gather_copies(params: float) -> float:
+        return 2 * params * gather_bytes * (1 + 1 / group.ranks) / copy_rate
 
     def scatter(params: float) -> float:
-        return reduce_scatter_time(params * 4, group.ranks, link) if reduce else 0.0
+        return collective_time("reduce_scatter", params * 4, group, cluster) if reduce else 0.0
+
+    def scatter_copies(params: float) -> float:
+        return 2 * 4 * params / copy_rate if reduce else 0.0
 
     comm_free = 0.0
     comm_total = 0.0
@@ -636,9 +754,11 @@ def fsdp_micro_batch(
     root = local.embedding + local.head
     root_ready = communicate(0.0, gather(root))
     gathered = {0: communicate(0.0, gather(local.per_block))}
-    clock = root_ready + forward[0].seconds
+    copies = gather_copies(root)
+    clock = root_ready + copies + forward[0].seconds
     for i in range(n):
-        clock = max(clock, gathered[i])
+        clock = max(clock, gathered[i]) + gather_copies(local.per_block)
+        copies += gather_copies(local.per_block)
         if i + 1 < n:
             gathered[i + 1] = communicate(clock, gather(local.per_block))
         clock += forward[1 + i].seconds
@@ -648,14 +768,21 @@ def fsdp_micro_batch(
     clock += backward[0].seconds
     regathered = {n - 1: 0.0}
     for i in reversed(range(n)):
-        clock = max(clock, regathered[i])
+        if i < n - 1:
+            clock = max(clock, regathered[i]) + gather_copies(local.per_block)
+            copies += gather_copies(local.per_block)
         if i >= 1:
             regathered[i - 1] = communicate(clock, gather(local.per_block))
-        clock += backward[n - i].seconds
+        clock += backward[n - i].seconds + scatter_copies(local.per_block)
+        copies += scatter_copies(local.per_block)
         communicate(clock, scatter(local.per_block))
-    clock += backward[-1].seconds
+    clock += backward[-1].seconds + scatter_copies(root)
+    copies += scatter_copies(root)
     end = max(clock, communicate(clock, scatter(root)))
-    return end, comm_total
+    if not overlap:
+        compute = sum(segment.seconds for segment in forward) + sum(segment.seconds for segment in backward)
+        end = compute + comm_total + copies
+    return end, comm_total, copies
 
 
 # ------------------------------------------------------------------------ projection
@@ -672,30 +799,46 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     tp_comm = uf * tp_per_micro
     compute = uf * micro - tp_comm
     dp_enabled = layout.dp > 1
+    overlap = communication_overlaps(layout, cluster)
 
+    copies = 0.0
     if workload.strategy == "fsdp" and dp_enabled:
         elapsed, comm_total = 0.0, 0.0
         for index in range(uf):
-            seconds, comm = fsdp_micro_batch(workload, layout, cluster, forward, backward, reduce=index == uf - 1)
+            seconds, comm, copy = fsdp_micro_batch(
+                workload, layout, cluster, forward, backward, reduce=index == uf - 1, overlap=overlap
+            )
             elapsed += seconds
             comm_total += comm
+            copies += copy
         step = elapsed + optimizer
     else:
         buckets = ddp_communication(workload, layout, cluster, backward) if dp_enabled else []
         comm_total = sum(seconds for _, _, seconds in buckets)
         period = uf * micro + optimizer if workload.double_buffering else None
         backward_seconds = sum(segment.seconds for segment in backward)
-        step = uf * micro + optimizer + exposed_ddp_seconds(buckets, backward_seconds, period)
+        exposed_buckets = exposed_ddp_seconds(buckets, backward_seconds, period) if overlap else comm_total
+        step = uf * micro + optimizer + exposed_buckets
         if workload.strategy == "zero1" and dp_enabled:
             local = local_parameters(workload.shape, layout.tp).total
-            sync = all_gather_time(4 * local, layout.dp, group_link(layout.dp_group(), cluster))
+            sync = collective_time("all_gather", 4 * local, layout.dp_group(), cluster)
             comm_total += sync
             step += sync
 
+    if dp_enabled:
+        # distlm normalises the loss by the global target-token count: one all-reduce of a
+        # number before the update's first forward, on the critical path (a message this
+        # small goes the fewest-latency way, as NCCL picks a tree for it).
+        token_count = collective_time("all_reduce", 8, layout.dp_group(), cluster, "auto")
+        comm_total += token_count
+        step += token_count
     exposed = max(0.0, step - uf * micro - optimizer)  # clamps float noise when nothing is exposed
-    # One replica alone (no data-parallel communication, nothing sharded) sets the ideal.
+    # One replica alone (no data-parallel communication, nothing sharded, no other
+    # replica sharing its cores) sets the ideal.
     single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp)
-    ideal_step = uf * micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
+    single_forward, single_backward, _ = micro_batch_segments(workload, single, cluster)
+    single_micro = sum(segment.seconds for segment in single_forward + single_backward)
+    ideal_step = uf * single_micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
     samples = workload.batch_size * uf * layout.dp
     tokens_per_s = samples * workload.tokens_per_sample / step
     memory = memory_per_rank(workload, layout)
@@ -714,9 +857,11 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
         samples_per_s=samples / step,
         efficiency=ideal_step / step,
         mfu=mfu,
+        compute_slowdown=compute_slowdown(layout, cluster),
         compute_s=compute,
         tp_comm_s=tp_comm,
         dp_comm_s=comm_total,
+        fsdp_copy_s=copies,
         comm_exposed_s=exposed,
         optimizer_s=optimizer,
         param_bytes=memory["param_bytes"],
