@@ -458,15 +458,18 @@ def test_no_rank_gathers_the_model_to_save_or_load(data_dir, tmp_path):  # noqa:
     largest = 4 * max(sizes)  # bytes of the largest whole fp32 tensor (a feed-forward matrix, 4 MiB)
     print(json.dumps({"parameters": sum(sizes), "largest_tensor_bytes": largest, "per_rank": ranks}))
     # The peak a rank reaches: the state it holds (its shards of the weights, and of Adam's
-    # moments once they exist) plus what saving or loading allocates on top.
-    peak = [{"save": r["params"] + r["optimizer"] + r["save"], "load": r["params"] + r["load"]} for r in ranks]
+    # moments once they exist) plus what saving or loading allocates on top. A resumed
+    # model's shards are allocated but never written before the load (nothing initialises
+    # them), so the kernel counts their pages inside the load: its peak holds the weights too.
+    peak = [{"save": r["params"] + r["optimizer"] + r["save"], "load": r["load"]} for r in ranks]
     for phase in ("save", "load"):
         assert peak[0][phase] <= 1.5 * peak[1][phase], (phase, ranks)
     for result in ranks:
         # The old single-file save gathered the whole model (84 MB) and both moments on rank 0.
         assert result["save"] < 2 * largest, ranks
-        # Loading allocates the rank's own Adam moments, then reads each tensor's slices into them.
-        assert result["load"] < result["optimizer"] + 4 * largest, ranks
+        # Loading fills the rank's shards, allocates its own Adam moments and reads each
+        # tensor's slices into them.
+        assert result["load"] < result["params"] + result["optimizer"] + 4 * largest, ranks
 
 
 # ------------------------------------------------- torchrun restarts after SIGKILL
