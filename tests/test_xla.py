@@ -255,6 +255,7 @@ def test_xla_without_an_accelerator_or_pjrt_device_cpu_is_refused(data_dir, tmp_
 JOIN = textwrap.dedent(
     """
     import datetime
+    import sys
     from distlm.backends import DistributedInitError
     from distlm.backends.xla import XlaBackend
     from distlm.env import ClusterEnv
@@ -263,7 +264,8 @@ JOIN = textwrap.dedent(
     try:
         XlaBackend().init_process_group(env, datetime.timedelta(seconds=60))
     except DistributedInitError as err:
-        print("REFUSED", err, flush=True)
+        sys.stdout.write(f"REFUSED {err}\\n")  # one write: the two ranks share the pipe
+        sys.stdout.flush()
     """
 )
 
