@@ -52,18 +52,23 @@ def test_a_late_rank_is_named(data_dir, tmp_path):
     assert "timed out" in message.split("Cause: ", 1)[1].lower(), message
 
 
-def one_rank_is_stopped(args: list[str]) -> str:
-    """Both ranks complete update 1; rank 1 is then stopped (SIGSTOP) before update 2's
-    first collective, in the same update as rank 0; rank 0 names it and lets it go on."""
+def a_rank_is_stopped(args: list[str], stopped: int, store_port: int | None = None) -> str:
+    """Both ranks complete update 1; rank ``stopped`` is then stopped (SIGSTOP) before update
+    2's first collective, in the same update as the other rank, which names it and lets it
+    go on. With ``store_port`` the launch is Kubeflow-style env://, where rank 0 itself
+    serves the store."""
+    if store_port is not None:
+        as_one_process_per_host(store_port)
     trainer = Trainer(parse_args(args))
+    assert trainer.ctx.env.launcher == ("env" if store_port is not None else "torchelastic")
     batches = trainer.update_batches()
     pids = trainer.ctx.all_gather_object(os.getpid())
     with trainer.ctx.naming_failed_collectives(1):
         trainer.train_step(next(batches))
-    if trainer.ctx.rank == 1:
+    if trainer.ctx.rank == stopped:
         time.sleep(TIMEOUT_SEC / 3)  # a few heartbeats: update 1 is published as completed
         os.kill(os.getpid(), signal.SIGSTOP)
-        # Continued by rank 0, which has left: this rank's own collective times out now.
+        # Continued by the other rank once it has given up: this rank's own collective fails now.
         with pytest.raises(CollectiveFailure):
             with trainer.ctx.naming_failed_collectives(2):
                 trainer.train_step(next(batches))
@@ -71,13 +76,13 @@ def one_rank_is_stopped(args: list[str]) -> str:
     with pytest.raises(CollectiveFailure) as failure:
         with trainer.ctx.naming_failed_collectives(2):
             trainer.train_step(next(batches))
-    os.kill(pids[1], signal.SIGCONT)
+    os.kill(pids[stopped], signal.SIGCONT)
     return str(failure.value)
 
 
 def test_a_stopped_rank_is_named_even_in_the_same_update(data_dir, tmp_path):
     args = common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", "--timeout-sec", str(TIMEOUT_SEC)]
-    message = run_distributed(one_rank_is_stopped, 2, args, timeout=90)[0]
+    message = run_distributed(a_rank_is_stopped, 2, args, 1, timeout=90)[0]
     assert "a collective of update 2 did not complete" in message, message
     assert "ranks [1] stopped responding (rank 1 last completed update 1)" in message, message
 
@@ -91,37 +96,12 @@ def as_one_process_per_host(port: int) -> None:
     os.environ["MASTER_PORT"] = str(port)
 
 
-def rank_0_is_stopped(args: list[str], port: int) -> str:
-    """Both ranks complete update 1; rank 0, which serves the store, is then stopped before
-    update 2; rank 1 names it, and lets it go on."""
-    as_one_process_per_host(port)
-    trainer = Trainer(parse_args(args))
-    assert trainer.ctx.env.launcher == "env"
-    batches = trainer.update_batches()
-    pids = trainer.ctx.all_gather_object(os.getpid())
-    with trainer.ctx.naming_failed_collectives(1):
-        trainer.train_step(next(batches))
-    if trainer.ctx.rank == 0:
-        time.sleep(TIMEOUT_SEC / 3)  # a few heartbeats: update 1 is published as completed
-        os.kill(os.getpid(), signal.SIGSTOP)
-        # Continued by rank 1 once it has given up: this rank's own collective fails now.
-        with pytest.raises(CollectiveFailure):
-            with trainer.ctx.naming_failed_collectives(2):
-                trainer.train_step(next(batches))
-        return "continued"
-    with pytest.raises(CollectiveFailure) as failure:
-        with trainer.ctx.naming_failed_collectives(2):
-            trainer.train_step(next(batches))
-    os.kill(pids[0], signal.SIGCONT)
-    return str(failure.value)
-
-
 def test_a_stopped_rank_0_that_serves_the_store_is_named(data_dir, tmp_path):
     # Rank 0 serves the store here, so the port is taken from binding port 0 and releasing
     # it (another process could grab it in between), as for the explicit launch in test_launch.py.
     args = common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", "--timeout-sec", str(TIMEOUT_SEC)]
     started = time.monotonic()
-    message = run_distributed(rank_0_is_stopped, 2, args, find_free_port("127.0.0.1"), timeout=90)[1]
+    message = run_distributed(a_rank_is_stopped, 2, args, 0, find_free_port("127.0.0.1"), timeout=90)[1]
     assert "rank 1: a collective of update 2 did not complete" in message, message
     assert "ranks [0] stopped responding (rank 0 serves the rendezvous store" in message, message
     assert "ranks [1] still wait in update 2 (rank 1 last completed update 1)" in message, message
