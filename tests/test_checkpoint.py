@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -805,3 +806,27 @@ def test_an_epoch_that_ends_on_a_skipped_update_still_gets_its_checkpoint(tmp_pa
     assert saver.due(4, 2, False) == [checkpoint.epoch_name(2)]
     settings.no_epoch_checkpoints = True
     assert saver.due(4, 2, False) == []
+
+
+def test_the_accelerators_rng_is_captured_and_restored_whatever_its_device_type(monkeypatch):
+    """Through torch.accelerator: a Neuron device's generator is kept as CUDA's is."""
+    from distlm.checkpoint.state import capture_rng, restore_rng
+
+    class NeuronModule:
+        state = torch.tensor([1, 2, 3], dtype=torch.uint8)
+
+        def get_rng_state(self):
+            return self.state.clone()
+
+        def set_rng_state(self, state):
+            self.state = state.clone()
+
+    neuron = NeuronModule()
+    # TorchNeuron renames the privateuse1 device; without it torch.device("neuron") is refused.
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: types.SimpleNamespace(type="neuron"))
+    monkeypatch.setattr(torch, "get_device_module", lambda device_type: neuron)
+    saved = capture_rng()
+    assert set(saved) == {"cpu", "neuron"} and torch.equal(saved["neuron"], NeuronModule.state)
+    neuron.state = torch.tensor([9], dtype=torch.uint8)
+    restore_rng(saved)
+    assert torch.equal(neuron.state, NeuronModule.state)

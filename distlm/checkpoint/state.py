@@ -14,6 +14,8 @@ read by all. No rank gathers anything whole.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -97,14 +99,29 @@ def _copy_shard_into(target: torch.Tensor, whole: torch.Tensor) -> None:
         target.copy_(whole)
 
 
+def _accelerator_rng() -> tuple[str, Any] | None:
+    """(device type, device module) of this process's accelerator when it keeps an RNG
+    state in use: torch.cuda, or TorchNeuron's neuron module, through torch.accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return None
+    module = torch.get_device_module(accelerator.type)
+    if not hasattr(module, "get_rng_state") or not getattr(module, "is_initialized", lambda: True)():
+        return None
+    return accelerator.type, module
+
+
 def capture_rng() -> dict[str, torch.Tensor]:
+    """The host's RNG state and the accelerator's (dropout draws on the device there)."""
     states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
+    accelerator = _accelerator_rng()
+    if accelerator is not None:
+        states[accelerator[0]] = accelerator[1].get_rng_state()
     return states
 
 
 def restore_rng(states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
+    accelerator = _accelerator_rng()
+    if accelerator is not None and accelerator[0] in states:
+        accelerator[1].set_rng_state(states[accelerator[0]])
