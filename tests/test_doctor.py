@@ -28,6 +28,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from distlm.backends.efa import apply_env_preset, build_efa_preset, efa_available
 from distlm.doctor import main
+from distlm.doctor.cli import load_expected_cluster, parse_doctor_args
 from distlm.doctor.allreduce import bus_bytes, expected_bus_bandwidth, judge_allreduce
 from distlm.doctor.devices import judge_devices
 from distlm.doctor.efa import efa_variables, find_nccl_net_plugin, judge_efa, run_fi_info
@@ -235,6 +236,20 @@ def test_bad_input_is_one_line_and_status_2(argv, named, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distlm.doctor: error: ") and named in lines[0], captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("instance, device, expected", [
+    ("p4d.24xlarge", "cuda", "p4d.24xlarge"),  # the node's own profile
+    ("p4d.24xlarge", "cpu", None),  # a CPU job on a GPU node: no verdict rather than an error
+    ("m5.large", "cpu", None),  # no profile for this instance type
+])
+def test_an_ec2_instance_type_with_a_profile_is_the_default_cluster(monkeypatch, instance, device, expected):
+    monkeypatch.delenv("DISTLM_CLUSTER", raising=False)
+    monkeypatch.setenv("DISTLM_INSTANCE_TYPE", instance)
+    monkeypatch.setattr("distlm.doctor.cli.resolve_device", lambda requested: requested)  # no GPU needed here
+    options, _ = parse_doctor_args(["--device", device])
+    cluster = load_expected_cluster(options, device)
+    assert (cluster.name if cluster is not None else None) == expected
 
 
 def test_a_profile_from_the_environment_is_named_as_such(monkeypatch, capsys):

@@ -16,10 +16,13 @@ from distlm.distributed import shutdown
 from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
-from distlm.plan import load_cluster
+from distlm.plan import available_clusters, load_cluster
+from distlm.plan.flops import instance_type
 from distlm.train import exit_without_teardown
 
 ENV_CLUSTER = "DISTLM_CLUSTER"
+DETECTED = "the instance type"
+"""Where a profile came from when nothing names one: this EC2 instance's own type has a profile."""
 DEFAULT_TIMEOUT_SEC = "60"
 
 DESCRIPTION = """\
@@ -36,7 +39,8 @@ distlm.doctor. Every rank runs the checks; rank 0 prints one row per check:
   efa variables    on EFA hosts with an accelerator: the variables distlm's EFA preset set,
                    those you set, and where yours override it
   all-reduce       bus bandwidth 2(n-1)/n x bytes / time at several sizes (median, slowest
-                   rank), compared with the --cluster profile when one is named
+                   rank), compared with the --cluster profile when one is named (else
+                   $DISTLM_CLUSTER, else this EC2 instance type's own profile)
 
 A rank that does not reach a check within --timeout-sec is named and the check fails.
 Exit status: 0 all checks passed (warnings and skips allowed), 1 a check failed, 2 bad input.
@@ -148,6 +152,8 @@ def parse_doctor_args(argv: Sequence[str] | None = None) -> tuple[DoctorOptions,
     cluster, source = args.cluster, "--cluster"
     if cluster is None and os.environ.get(ENV_CLUSTER):
         cluster, source = os.environ[ENV_CLUSTER], ENV_CLUSTER
+    if cluster is None and instance_type() in available_clusters():
+        cluster, source = instance_type(), DETECTED
     options = DoctorOptions(
         cluster=cluster,
         cluster_source=source,
@@ -174,6 +180,8 @@ def load_expected_cluster(options: DoctorOptions, device: str):
             raise
         raise UsageError(f"{err} (the profile came from ${ENV_CLUSTER})") from None
     resolved = resolve_device(device)
+    if cluster.device_type != resolved and options.cluster_source == DETECTED:
+        return None  # the instance's accelerators are not what this job runs on (a CPU job on a GPU node)
     if cluster.device_type != resolved:
         raise UsageError(
             f"{options.cluster_source} {options.cluster} describes {cluster.device_type} nodes but this job runs on "
