@@ -30,6 +30,7 @@ from distlm.backends.neuron import NeuronBackend
 from distlm.backends.xla import XlaBackend
 from distlm.env import ClusterEnv, find_free_port, single_process_env
 from distlm.errors import UsageError
+from distlm.mesh import ParallelDims
 
 REPO_ROOT = Path(distlm.__file__).resolve().parent.parent
 NEURON_STANDIN = Path(__file__).resolve().parent / "neuron_standin"
@@ -278,6 +279,11 @@ def neuron_rank_report(sysfs_root: str) -> dict:
     with torch.autocast(backend.autocast_device_type, dtype=torch.bfloat16):
         autocast_dtype = torch.get_autocast_dtype("neuron")
 
+    # The tensor-parallel layout's mesh and groups, on the neuron device type.
+    dims = ParallelDims(world_size=env.world_size, dp=1, tp=2, strategy="ddp")
+    mesh = dims.build_mesh("neuron")
+    tp_group = dims.tp_group("neuron")
+
     os.environ["NEURON_RT_VISIBLE_CORES"] = str(3 - env.local_rank)  # one core per process
     own_core = backend.device(env)
     os.environ["NEURON_RT_VISIBLE_CORES"] = "0-1"
@@ -291,6 +297,7 @@ def neuron_rank_report(sysfs_root: str) -> dict:
         "accelerator": str(torch.accelerator.current_accelerator()),
         "device": str(device), "own_core": str(own_core), "crowded": crowded,
         "process_group": dist.get_backend(), "world_size": dist.get_world_size(), "all_reduce": value.item(),
+        "mesh": (mesh.device_type, mesh.mesh_dim_names, dist.get_world_size(tp_group), dist.get_backend(tp_group)),
         "autocast_dtype": autocast_dtype,
         "efa": {name: os.environ.get(name) for name in (*EFA_PRESET, *EFA_RDMA_PRESET)},
         "logged": [line for line in records if line.startswith("network efa")],
@@ -307,6 +314,7 @@ def test_neuron_backend_on_two_ranks_through_the_stand_in(tmp_path):
         assert report["device"] == f"neuron:{rank}" and report["own_core"] == "neuron:0"
         assert "4 ranks on this node but 2 devices visible (NEURON_RT_VISIBLE_CORES=0-1)" in report["crowded"]
         assert report["process_group"] == "neuron" and report["world_size"] == 2
+        assert report["mesh"] == ("neuron", ("dp", "tp"), 2, "neuron")
         assert report["all_reduce"] == 1.0 + 2.0
         assert report["autocast_dtype"] == torch.bfloat16
         # The EFA preset with RDMA (Trainium has it); the user's own value survives.
