@@ -36,6 +36,14 @@ def check_precision_name(precision: str) -> None:
         raise UsageError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
+def refuse_fp16(precision: str, device: str, why: str) -> None:
+    """One line refusing ``--fp16``/``--memory-efficient-fp16`` on ``--device device``, pointing to bf16."""
+    check_precision_name(precision)
+    if precision in ("fp16", "memory_efficient_fp16"):
+        flag = "--fp16" if precision == "fp16" else "--memory-efficient-fp16"
+        raise UsageError(f"{flag} is not supported on --device {device}: {why}; use --bf16 (or fp32)")
+
+
 def check_network_name(network: str) -> None:
     if network not in NETWORKS:
         raise UsageError(f"--network {network!r} is not one of {', '.join(NETWORKS)}")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distlm.backends.accelerator import AcceleratorBackend
-from distlm.backends.base import check_precision_name
+from distlm.backends.base import refuse_fp16
 from distlm.errors import UsageError
 
 NEURON_PACKAGE_INDEX = "https://pip.repos.neuron.amazonaws.com"
@@ -62,13 +62,8 @@ class NeuronBackend(AcceleratorBackend):
             )
 
     def check_precision(self, precision: str) -> None:
-        check_precision_name(precision)
-        if precision in ("fp16", "memory_efficient_fp16"):
-            flag = "--fp16" if precision == "fp16" else "--memory-efficient-fp16"
-            raise UsageError(
-                f"{flag} is not supported on --device neuron: Trainium computes natively in bf16 and the "
-                "Neuron recipes have no fp16 dynamic loss scaling; use --bf16 (or fp32)"
-            )
+        refuse_fp16(precision, "neuron",
+                    "Trainium computes natively in bf16 and the Neuron recipes have no fp16 dynamic loss scaling")
 
     def supports_gpudirect_rdma(self, index: int) -> bool:
         # Every Trainium instance with EFA reads device memory over it.

@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from distlm.backends.base import Backend, check_precision_name, describe_init_failure, module_importable
+from distlm.backends.base import Backend, describe_init_failure, module_importable, refuse_fp16
 from distlm.backends.efa import configure_network
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
@@ -69,13 +69,8 @@ class XlaBackend(Backend):
         return import_xla_module("torch_xla.core.xla_model").xla_device()  # older torch-xla
 
     def check_precision(self, precision: str) -> None:
-        check_precision_name(precision)
-        if precision in ("fp16", "memory_efficient_fp16"):
-            flag = "--fp16" if precision == "fp16" else "--memory-efficient-fp16"
-            raise UsageError(
-                f"{flag} is not supported on --device xla: XLA devices (Trainium, TPU) compute in bf16 and "
-                "torch-xla has no fp16 dynamic loss scaling here; use --bf16 (or fp32)"
-            )
+        refuse_fp16(precision, "xla",
+                    "XLA devices (Trainium, TPU) compute in bf16 and torch-xla has no fp16 dynamic loss scaling here")
 
     def check_strategy(self, strategy: str, tp_degree: int) -> None:
         if strategy == "fsdp":
