@@ -62,12 +62,15 @@ class Validator:
     ``subsets`` maps a split name to its data (``load_validation_subsets``); empty: no
     validation. The callables are the trainer's own: the loss, tensor parallel's loss
     context, the plain value of a (DTensor) loss, and forward's mixed precision.
+    ``positions``: batches carry their targets' flat positions (a masked LM selects its
+    rows by them).
     """
 
     def __init__(self, config: TrainConfig, ctx: DistContext, subsets: dict[str, Any],
                  compute_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor], loss_context: Callable,
-                 local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable, pad_to: int | None = None):
-        self.config, self.ctx, self.subsets, self.pad_to = config, ctx, subsets, pad_to
+                 local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable, pad_to: int | None = None,
+                 positions: bool = True):
+        self.config, self.ctx, self.subsets, self.pad_to, self.positions = config, ctx, subsets, pad_to, positions
         self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
             compute_loss, loss_context, local_loss, autocast)
         self.enabled = bool(subsets)
@@ -121,7 +124,8 @@ class Validator:
             pad = data.dictionary.pad()
             # Under compile or XLA every batch has one shape: the last, short batches too.
             rows = self.batch_size if self.pad_to is not None else None
-            batch = to_device(with_host_facts(padded_to(batch, self.pad_to, pad, rows), pad), self.ctx.device)
+            batch = to_device(with_host_facts(padded_to(batch, self.pad_to, pad, rows), pad, self.positions),
+                              self.ctx.device)
             with self.loss_context(), self.autocast():
                 loss = self.compute_loss(batch)
             sums[0] += self.local_loss(loss.detach()).double()

@@ -88,7 +88,8 @@ class Trainer:
         subsets = {} if train_data is not None else load_validation_subsets(
             config, self.task, list(self.data.dictionary.symbols))
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
-                                   self.handle.local_loss, self._autocast, self.fixed_length)
+                                   self.handle.local_loss, self._autocast, self.fixed_length,
+                                   self.model_inputs.masked_positions)
         epoch_updates = math.ceil(config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size)
         self.schedule = LRSchedule(config.optim, updates_in_run=epoch_updates)
         self.progress = TrainProgress()
@@ -108,7 +109,7 @@ class Trainer:
     def update_batches(self) -> Iterator[list[dict[str, Any]]]:
         """This rank's micro-batches for each coming update, prepared by --num-workers processes."""
         return update_batches(self.data, self.sampler, self.progress.consumed_samples, self.pad_id,
-                              self.config.data.num_workers, self.fixed_length)
+                              self.config.data.num_workers, self.fixed_length, self.model_inputs.masked_positions)
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config

@@ -16,12 +16,14 @@ class UpdateBatches(torch.utils.data.Dataset):
     """Item k: the micro-batches of the k-th update from ``start`` consumed samples on,
     with their token counts as host numbers, read here before any device sees them."""
 
-    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int, pad_to: int | None = None):
+    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int, pad_to: int | None = None,
+                 positions: bool = True):
         self.data, self.sampler, self.start, self.pad, self.pad_to = data, sampler, start, pad, pad_to
+        self.positions = positions
 
     def __getitem__(self, k: int) -> list[dict[str, Any]]:
         position = self.start + k * self.sampler.global_batch_size
-        return [with_host_facts(padded_to(self.data.collate(pairs), self.pad_to, self.pad), self.pad)
+        return [with_host_facts(padded_to(self.data.collate(pairs), self.pad_to, self.pad), self.pad, self.positions)
                 for pairs in self.sampler.local_micro_batches(position)]
 
 
@@ -43,23 +45,25 @@ def padded_to(batch: dict[str, Any], length: int | None, pad: int, rows: int | N
             "targets": torch.nn.functional.pad(batch["targets"], pad_shape, value=IGNORE_INDEX)}
 
 
-def with_host_facts(batch: dict[str, Any], pad: int) -> dict[str, Any]:
+def with_host_facts(batch: dict[str, Any], pad: int, positions: bool = True) -> dict[str, Any]:
     """``batch`` plus what the host knows about it before any device sees it: token counts,
-    whether it holds padding, and the flat positions of its targets. Read here, they cost
-    the device no synchronisation later."""
+    whether it holds padding, and (``positions``: for a model that selects its masked rows
+    by them) the flat positions of its targets. Read here, they cost the device no
+    synchronisation later."""
     batch = dict(batch)
     targets = batch["targets"]
     batch["target_count"] = int(batch["ntokens"]) if "ntokens" in batch else int((targets != IGNORE_INDEX).sum())
     batch["input_count"] = int((batch["input_ids"] != pad).sum())
     batch["has_padding"] = batch["input_count"] < batch["input_ids"].numel()
-    batch["masked_positions"] = torch.nonzero(targets.flatten() != IGNORE_INDEX).squeeze(1)
+    if positions:
+        batch["masked_positions"] = torch.nonzero(targets.flatten() != IGNORE_INDEX).squeeze(1)
     return batch
 
 
-def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int,
-                   num_workers: int, pad_to: int | None = None) -> Iterator[list[dict[str, Any]]]:
+def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int, num_workers: int,
+                   pad_to: int | None = None, positions: bool = True) -> Iterator[list[dict[str, Any]]]:
     """The micro-batches of every coming update, by ``num_workers`` processes (0: this one)."""
-    dataset = UpdateBatches(data, sampler, start, pad, pad_to)
+    dataset = UpdateBatches(data, sampler, start, pad, pad_to, positions)
     if num_workers == 0:
         return map(dataset.__getitem__, itertools.count())
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers)
