@@ -80,7 +80,8 @@ def parallelize(
         # rank must hold rank 0's weights first, or the shards would be of different models.
         broadcast_from_rank0(model)
     if dims.tp_enabled:
-        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True)
+        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
+                         compiled=options.compile_backend is not None)
     if options.compile_backend is not None:
         apply_compile(model, options.compile_backend)
     if options.activation_checkpointing:

@@ -238,7 +238,8 @@ def _styles(
     return plan, later
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool,
+             compiled: bool = False) -> nn.Module:
     """Tensor-parallelise ``model`` in place over the 1-D ``tp_mesh``; returns it.
 
     Call before activation checkpointing and FSDP/DDP, on a model whose weights are
@@ -248,6 +249,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     rank. ``loss_parallel`` is honoured only where the plan has a ``colwise_output``
     (Llama); RoBERTa's head is tied to a replicated embedding, so its logits stay whole.
     Check ``tp_info(model).loss_parallel`` and compute the loss in ``loss_context(model)``.
+    ``compiled``: the blocks will be compiled, which needs the embedding's output to own
+    its storage (``_own_storage``); eager runs skip that copy.
     """
     degree = tp_mesh.size()
     validate_tp(model, degree)
@@ -257,9 +260,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     parallelize_module(model, tp_mesh, styles)
     for name, style in later:
         parallelize_module(model.get_submodule(name), tp_mesh, style)
-    for name, style in resolved.items():
-        if style == "vocab_embedding":
-            model.get_submodule(name).register_forward_hook(_own_storage)
+    if compiled:
+        for name, style in resolved.items():
+            if style == "vocab_embedding":
+                model.get_submodule(name).register_forward_hook(_own_storage)
     if sequence_parallel:
         _pad_sequence_to_multiple(model, degree)
     if not any(param.is_meta for param in model.parameters()):
