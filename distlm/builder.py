@@ -54,8 +54,6 @@ class ModelSpec:
     """The model's config; ``vocab_size`` 0 means "from the data"."""
     hf_dir: Path | None = None
     hf_tokens: SpecialTokens | None = None
-    hf_config: dict[str, Any] | None = None
-    """The Hugging Face ``config.json`` the model comes from, as read."""
 
     @property
     def task(self) -> str:
@@ -109,7 +107,7 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
     config = _replace(config, overrides, f"--init-from-hf {directory}")
     if settings.arch is not None:
         _check_arch_agrees(settings.arch, adapter.MODEL_CLASS, config, directory)
-    return ModelSpec(settings.arch or f"hf_{family}", adapter.MODEL_CLASS, config, directory, tokens, hf_config)
+    return ModelSpec(settings.arch or f"hf_{family}", adapter.MODEL_CLASS, config, directory, tokens)
 
 
 def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
@@ -175,15 +173,17 @@ def build_model_for_run(
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
     from_hf = spec.hf_dir is not None
     if not sharded:
-        if weights_from_checkpoint:
+        if weights_from_checkpoint or from_hf:
+            # Cast while still on meta, so the weights are allocated once, in their own dtype.
+            model = model.to(dtype=param_dtype)
             model.to_empty(device=device)
-            _compute_buffers(model)
-        elif from_hf:
-            model.to_empty(device=device)
-            _fill_shards_from_hf(model, spec)
+            if weights_from_checkpoint:
+                _compute_buffers(model)
+            else:
+                _fill_shards_from_hf(model, spec)
         else:
             model = _initialised(model, device, param_dtype, seed)
-        return ModelBuild(model.to(dtype=param_dtype))
+        return ModelBuild(model.to(dtype=param_dtype))  # derived buffers too, as before
     model = model.to(dtype=param_dtype)  # still meta: no memory yet
     if weights_from_checkpoint:
         return ModelBuild(model, fill_shards=_compute_buffers)

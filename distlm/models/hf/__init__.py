@@ -8,8 +8,7 @@ One adapter module per model, the single place where its mapping details live:
 ``config_from_hf(hf_config)``                 -> (distlm config, SpecialTokens); refuses what distlm cannot represent
 ``config_to_hf(config, tokens, dtype)``       -> the ``config.json`` dict
 ``generation_config(tokens)``                 -> the ``generation_config.json`` dict, or None (masked LM)
-``import_tensor(config, name, fetch)``        -> distlm tensor ``name``, from the tensors ``fetch(hf_name)`` returns
-``import_part(config, name, read, region)``   -> that tensor's ``region`` only (a rank's shard), reading little more
+``import_part(config, name, read, region)``   -> distlm tensor ``name``, or its ``region`` only (a rank's shard), reading little more
 ``export_tensors(config, name, tensor)``      -> the (hf_name, tensor) pairs made from one distlm tensor
 
 Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).

@@ -22,11 +22,6 @@ name, reading only that part from disk (the whole tensor for ``None``); raises K
 when there is none."""
 
 
-def read_whole(fetch: Fetch) -> Read:
-    """A ``Read`` over whole tensors that ``fetch`` returns (the region cut out after)."""
-    return lambda hf_name, region: fetch(hf_name) if region is None else fetch(hf_name)[region]
-
-
 @dataclass(frozen=True)
 class SpecialTokens:
     """Token ids that Hugging Face keeps in ``config.json`` and ``generation_config.json``.

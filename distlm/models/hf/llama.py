@@ -55,12 +55,10 @@ import torch
 
 from distlm.errors import UsageError
 from distlm.models.hf.common import (
-    Fetch,
     Read,
     Region,
     SpecialTokens,
     check_architectures,
-    read_whole,
     refuse,
     require,
     setting,
@@ -281,11 +279,6 @@ def _rotary_heads(config: LlamaConfig, name: str) -> int | None:
     if name.endswith("attention.wk.weight"):
         return config.kv_heads
     return None
-
-
-def import_tensor(config: LlamaConfig, name: str, fetch: Fetch) -> torch.Tensor:
-    """distlm tensor ``name``, built from the Hugging Face tensors ``fetch`` returns."""
-    return import_part(config, name, read_whole(fetch))
 
 
 def import_part(config: LlamaConfig, name: str, read: Read, region: Region | None = None) -> torch.Tensor:

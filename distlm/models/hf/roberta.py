@@ -53,12 +53,10 @@ import torch
 
 from distlm.errors import UsageError
 from distlm.models.hf.common import (
-    Fetch,
     Read,
     Region,
     SpecialTokens,
     check_architectures,
-    read_whole,
     refuse,
     require,
     setting,
@@ -226,11 +224,6 @@ def hf_name(name: str) -> str:
         raise ValueError(f"distlm RoBERTa tensor {name!r} has no Hugging Face counterpart")
     index, module, kind = match.groups()
     return f"roberta.encoder.layer.{index}.{_LAYER_MODULES[module]}.{kind}"
-
-
-def import_tensor(config: RobertaConfig, name: str, fetch: Fetch) -> torch.Tensor:
-    """distlm tensor ``name``, built from the Hugging Face tensors ``fetch`` returns."""
-    return import_part(config, name, read_whole(fetch))
 
 
 def import_part(config: RobertaConfig, name: str, read: Read, region: Region | None = None) -> torch.Tensor:
