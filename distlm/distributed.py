@@ -179,11 +179,12 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
         # read their variables once, when it does.
         use_compile_cache(config.compile.compile_cache, backend.compile_cache_variables)
     backend.setup(env, config.precision_mode, settings.network)
-    # Before the process group starts: NCCL reads these when its communicators are made.
-    backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
     timeout = datetime.timedelta(seconds=settings.timeout_sec)
     heartbeat = current_heartbeat()
     if env.is_distributed and not dist.is_initialized():
+        # Before the process group starts: NCCL reads these when its communicators are made
+        # (a single process has none, so nothing to record and no directory to make).
+        backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
         backend.init_process_group(env, timeout)
         heartbeat = _start_heartbeat(env, timeout)
     # After the process group: a PJRT device learns its place in the job from it.

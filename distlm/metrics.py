@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from distlm.errors import UsageError
-from distlm.plan.flops import device_peak_flops, flops_per_token, measure_cpu_matmul_flops
+from distlm.plan.flops import device_peak_flops, flops_per_token, measure_cpu_matmul_flops, model_flops_utilization
 
 LN2 = math.log(2)
 logger = logging.getLogger("distlm")
@@ -83,7 +83,7 @@ class TrainStats:
         device's peak are unknown (the log prints null, never a made-up 0)."""
         if not self.peak_flops_per_device or not self.flops_per_token:
             return None
-        return tokens_per_s * self.flops_per_token / (self.peak_flops_per_device * self.devices)
+        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak_flops_per_device, self.devices)
 
     def run_mfu_or_none(self) -> float | None:
         """The MFU of this run so far (this process's, not a resumed run's past), from every

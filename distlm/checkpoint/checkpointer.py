@@ -220,13 +220,11 @@ class Checkpointer:
         # state, and distlm's schedules, like fairseq's polynomial_decay, inverse_sqrt and
         # cosine, have none beyond the update count.
         if not load_optimizer:
-            progress = TrainProgress(consumed_samples=progress.consumed_samples, best=progress.best)
+            progress = TrainProgress(consumed_samples=progress.consumed_samples)
         elif scaler is not None and meta.get("scaler") is not None:
             scaler.load_state_dict(meta["scaler"])
-        if settings.reset_optimizer or settings.reset_meters:
-            progress.best, progress.validations_without_improvement = None, 0
         if settings.reset_meters:
-            progress.train_wall = 0.0
+            progress.best, progress.validations_without_improvement, progress.train_wall = None, 0, 0.0
         if settings.reset_dataloader:
             progress.consumed_samples = 0
         if settings.reset_lr_scheduler and not weights_only and self.ctx.is_main:

@@ -152,8 +152,9 @@ def parse_doctor_args(argv: Sequence[str] | None = None) -> tuple[DoctorOptions,
     cluster, source = args.cluster, "--cluster"
     if cluster is None and os.environ.get(ENV_CLUSTER):
         cluster, source = os.environ[ENV_CLUSTER], ENV_CLUSTER
-    if cluster is None and instance_type() in available_clusters():
-        cluster, source = instance_type(), DETECTED
+    detected = instance_type() if cluster is None else None
+    if detected in available_clusters():
+        cluster, source = detected, DETECTED
     options = DoctorOptions(
         cluster=cluster,
         cluster_source=source,

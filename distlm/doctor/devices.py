@@ -8,7 +8,6 @@ imported, since importing it starts its runtime.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import socket
@@ -17,25 +16,13 @@ from typing import Any, Sequence
 
 import torch
 
+from distlm.backends.base import module_importable
 from distlm.doctor.channel import RankChannel
 from distlm.doctor.report import FAIL, PASS, WARN, Row, count, ranks_by_value, who
+from distlm.plan.model import host_cores
 
 NAME = "devices"
 _NEURON_DEVICE = re.compile(r"neuron\d+")
-
-
-def _visible_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _module_installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def count_neuron_devices(dev_root: str | os.PathLike = "/dev") -> int:
@@ -52,12 +39,12 @@ def probe_devices(backend_name: str, device: torch.device, dev_root: str | os.Pa
         "host": socket.gethostname(),
         "backend": backend_name,
         "device": str(device),
-        "cpus": _visible_cpus(),
+        "cpus": host_cores(),
         "cuda_devices": [],
         "gpu": None,
         "accelerators": 0,
         "neuron_devices": count_neuron_devices(dev_root),
-        "torch_neuronx": _module_installed("torch_neuronx"),
+        "torch_neuronx": module_importable("torch_neuronx"),
     }
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is not None and accelerator.type == device.type:

@@ -12,7 +12,6 @@ machine from measurements.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Sequence
@@ -74,8 +73,9 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
     """Project the parsed command line: ``(rows, header lines)``."""
     cluster = load_cluster(args.cluster, args.ranks_per_node)
     if cluster.single_host and args.ranks and args.ranks_per_node is None:
-        # This machine: --ranks N are N ranks on it, one node however many there are.
-        cluster = dataclasses.replace(cluster, ranks_per_node=max(args.ranks))
+        # This machine: --ranks N are N ranks on it, one node however many there are;
+        # loaded for that many, so the threads per rank (cores over ranks) follow too.
+        cluster = load_cluster(args.cluster, max(args.ranks))
     notes: list[str] = []
     if args.calibrate is not None:
         calibration = calibrate(read_measurements(args.calibrate), args.vocab_size)

@@ -335,7 +335,8 @@ def collective_time(kind: str, nbytes: float, group: Group, cluster: Cluster, al
         return alpha + beta * nbytes
     if kind == "all_reduce":
         return flat_allreduce_time(nbytes, group, cluster, algorithm)
-    return reduce_scatter_time(nbytes, group.ranks, group_link(group, cluster))
+    ring = all_gather_time if kind == "all_gather" else reduce_scatter_time
+    return ring(nbytes, group.ranks, group_link(group, cluster))
 
 
 def hierarchical_allreduce_time(
