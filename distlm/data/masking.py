@@ -14,9 +14,11 @@ Two rules choose which positions are predicted:
 - ``mask_special_tokens=False`` is distlm's earlier rule: special tokens are never chosen,
   and random replacements are never special tokens.
 
-The choice matters. One job (RoBERTa of 2 layers, 128 wide; batch 8 x 128 tokens; lr 5e-4;
-300 updates; the same fairseq-preprocess data) gave these training losses in bits at
-updates 50, 100, ..., 300:
+``benchmarks/fairseq_masking.py`` checks the first rule against fairseq's own
+``MaskTokensDataset``: given the generator fairseq seeds for a sample, the masks are the
+same bit for bit. The choice matters. One job (RoBERTa of 2 layers, 128 wide; batch 8 x
+128 tokens; lr 5e-4; 300 updates; the same fairseq-preprocess data; measured when the rule
+was chosen) gave these training losses in bits at updates 50, 100, ..., 300:
 
 ============================  =====  =====  =====  =====  =====  =====
 fairseq                       12.57  10.35  10.04   9.86   9.87   9.78
