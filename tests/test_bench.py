@@ -146,9 +146,10 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
     gradients and parameters (4 ranks: the ring formulas on the link of the 2-rank
     all-reduce, a reduce-scatter costing an all-reduce on gloo, a single number the faster of
     a ring and a tree), plus the update's all-reduce of its target-token count; FSDP adds its
-    copies at the optimizer's memory
-    bandwidth; with every core busy, nothing overlaps. No timing is asserted: only how the
-    prediction is built."""
+    copies at the optimizer's memory bandwidth; with every core busy, nothing overlaps,
+    and a collective issued while its rank still computes takes longer by the ratio of
+    runnable threads (ranks x (threads + 1) against the probe's ranks) over the cores.
+    No timing is asserted: only how the prediction is built."""
     objects = read_rows(sweep / "calibration.jsonl")
     one_rank = next(obj for obj in objects if obj.get("world_size") == 1 and "strategy" in obj)
     probe = next(obj for obj in objects if obj.get("benchmark") == "allreduce")
@@ -170,6 +171,7 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
         slowdown = max(1.0, ranks * threads / cores)
         if ranks == 2:
             costs = {method: fit(method) for method in ("plain", "all_gather", "reduce_scatter")}
+        beside = max(1.0, ranks * (threads + 1) / cores) / max(1.0, ranks / cores)
             all_reduce, all_gather, reduce_scatter = (
                 (lambda nbytes, a=alpha, b=beta: a + b * nbytes) for alpha, beta in costs.values()
             )
@@ -199,14 +201,19 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
                 optimizer = optimizer / ranks + small(4)  # the gradient norm
             assert row.optimizer_s == pytest.approx(optimizer, rel=1e-9)
             if strategy == "ddp":
-                # DDP's first bucket holds 1 MiB of gradients, the second the rest.
-                comm = all_reduce(2**20) + all_reduce(4 * params - 2**20)
+                # DDP's first bucket holds 1 MiB of gradients and is all-reduced beside the
+                # rest of backward; the second, the rest, once backward is done.
+                comm = beside * all_reduce(2**20) + all_reduce(4 * params - 2**20)
                 copies = 0.0
             else:
                 # All-gathers: the root once, each block in forward and all but the last again in
-                # backward; reduce-scatters: each block and the root, of fp32 gradients.
-                comm = (all_gather(4 * root) + (2 * n - 1) * all_gather(4 * block)
-                        + n * reduce_scatter(4 * block) + reduce_scatter(4 * root))
+                # backward; reduce-scatters: each block and the root, of fp32 gradients. All but
+                # the first two all-gathers and the last two reduce-scatters are prefetched or
+                # run behind the next block's backward: beside compute.
+                comm = (all_gather(4 * root) + all_gather(4 * block)
+                        + beside * (2 * n - 2) * all_gather(4 * block)
+                        + beside * (n - 1) * reduce_scatter(4 * block)
+                        + reduce_scatter(4 * block) + reduce_scatter(4 * root))
                 gathered = 4 * root + (2 * n - 1) * 4 * block
                 copies = (2 * gathered * (1 + 1 / ranks) + 2 * 4 * params) / bandwidth * slowdown
             comm += small(8)  # the global target-token count

@@ -39,6 +39,7 @@ from distlm.plan.model import (
     load_cluster,
     memory_per_rank,
     project,
+    collective_slowdown,
     ring_allreduce_time,
     tree_allreduce_time,
 )
@@ -381,6 +382,47 @@ def test_cli_json_rows(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [row["ranks"] for row in rows] == [1, 2, 4]
     assert [row["nodes"] for row in rows] == [1, 1, 1]  # --ranks on this machine: one host
+@pytest.mark.parametrize("ranks, threads, cores, slowdown", [
+    (2, 1, 2, 2.0),  # each core: one compute thread and one communication thread; alone: one
+    (4, 1, 2, 2.0),  # each core: two and two; alone: two communication threads
+    (2, 2, 4, 1.5),  # 6 runnable threads on 4 cores; alone: 2 on 4
+    (2, 1, 8, 1.0),  # spare cores: the collective runs on one of them
+])
+def test_a_cpu_collective_beside_compute_shares_its_cores(ranks, threads, cores, slowdown):
+    cluster = dataclasses.replace(load_cluster("local"), cpu_threads_per_rank=threads, cores_per_node=cores)
+    assert collective_slowdown(Layout(nodes=1, ranks_per_node=ranks), cluster) == pytest.approx(slowdown)
+    assert collective_slowdown(Layout(nodes=1, ranks_per_node=ranks), load_cluster("p4d.24xlarge")) == 1.0
+
+
+def test_only_collectives_issued_during_compute_are_slowed():
+    """On two one-thread ranks over two cores, FSDP's prefetched all-gathers and its
+    reduce-scatters behind later blocks take twice their probed time; the two all-gathers
+    the update starts by waiting for, and the two reduce-scatters after the last compute,
+    take theirs. DDP: the bucket filled during backward doubles, the last one does not."""
+    shape = model_shape("roberta_tiny", 261)
+    cluster = dataclasses.replace(
+        load_cluster("local"), achieved_flops={"fp32": 50e9}, cpu_threads_per_rank=1, cores_per_node=2,
+    )
+    spare = dataclasses.replace(cluster, cores_per_node=1000)
+    layout = Layout(nodes=1, ranks_per_node=2)
+    groups = parameter_groups(shape)
+    group = layout.dp_group()
+    n = groups.blocks
+    token_count = collective_time("all_reduce", 8, group, cluster, "auto")
+    gather = lambda params: collective_time("all_gather", 4 * params, group, cluster)  # noqa: E731
+    scatter = lambda params: collective_time("reduce_scatter", 4 * params, group, cluster)  # noqa: E731
+    root, block = groups.embedding + groups.head, groups.per_block
+    waited = gather(root) + gather(block) + scatter(block) + scatter(root)
+    prefetched = (2 * n - 2) * gather(block) + (n - 1) * scatter(block)
+    fsdp = Workload(shape=shape, strategy="fsdp", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    assert project(fsdp, cluster, layout).dp_comm_s == pytest.approx(waited + 2 * prefetched + token_count)
+    assert project(fsdp, spare, layout).dp_comm_s == pytest.approx(waited + prefetched + token_count)
+    ddp = Workload(shape=shape, strategy="ddp", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    total = 4 * count_parameters(shape)
+    first, rest = (collective_time("all_reduce", b, group, cluster) for b in (2**20, total - 2**20))
+    assert project(ddp, cluster, layout).dp_comm_s == pytest.approx(2 * first + rest + token_count)
+
+
     for row in rows:
         for key in ("nodes", "ranks", "step_time_s", "tokens_per_s", "efficiency", "memory_bytes_per_rank",
                     "compute_s", "comm_exposed_s", "optimizer_s"):

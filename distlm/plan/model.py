@@ -23,7 +23,11 @@
 * CPU ranks (the ``local`` profile): collectives run on the host's cores, so when every
   core computes (ranks x threads >= cores) nothing overlaps: each collective adds its
   whole time. More ranks x threads than cores share them: compute, optimizer and copies
-  slow down by ranks x threads / cores.
+  slow down by ranks x threads / cores. A collective issued while its rank still computes
+  (FSDP's prefetched all-gathers, its reduce-scatters behind the next block's backward,
+  DDP's buckets filled before backward ends) shares the cores with that compute: it runs
+  slower than the probe that timed it alone, by the ratio of runnable threads to cores
+  in the two cases (``collective_slowdown``).
 * Memory: fp32 weights, fp32 gradients and Adam's two fp32 moments (16 bytes a parameter,
   as distlm keeps them in every precision mode), sharded as the strategy shards them,
   split by the tensor-parallel degree where the model's TP plan splits them; plus an
@@ -381,6 +385,24 @@ def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
     for them; CPU ranks need a core, and when every core computes (ranks x threads >=
     cores) each collective's time adds to the step."""
     busy = cpu_busy_threads(layout, cluster)
+def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
+    """How much longer a CPU collective takes beside its rank's compute than alone.
+
+    Alone (the collective probe), each rank's communication thread is the only one
+    runnable: ranks threads on the host's cores. Beside compute, each rank also runs its
+    compute threads: ranks x (threads + 1). Fair time-slicing gives each thread the cores
+    over the runnable threads, so the collective slows by the ratio of the two
+    over-subscriptions (2 for one-thread ranks on as many cores as ranks, or twice as
+    many ranks). 1 off CPU: accelerators communicate on engines of their own."""
+    busy = cpu_busy_threads(layout, cluster)
+    if busy is None:
+        return 1.0
+    ranks = host_ranks(layout, cluster)
+    beside = max(1.0, (busy + ranks) / cluster.cores_per_node)
+    alone = max(1.0, ranks / cluster.cores_per_node)
+    return beside / alone
+
+
     return busy is None or busy < cluster.cores_per_node
 
 
@@ -682,7 +704,9 @@ def ddp_communication(
 ) -> list[tuple[float, float, float]]:
     """``(ready, end, seconds)`` of each gradient bucket of one update, in seconds from the
     start of the last micro-batch's backward: buckets are all-reduced one after another,
-    each once backward has filled it and the previous one is done."""
+    each once backward has filled it and the previous one is done. A bucket filled before
+    backward ends runs beside compute (``collective_slowdown``); with double buffering
+    every bucket does, beside the next update."""
     total_bytes = 4 * sum(segment.params for segment in backward)
     buckets, comm_free, previous = [], 0.0, 0.0
     for end in _bucket_boundaries(total_bytes, workload.bucket_cap_mb * MIB):
@@ -695,10 +719,14 @@ def ddp_communication(
 
 
 def exposed_ddp_seconds(
+    backward_seconds = sum(segment.seconds for segment in backward)
+    slowdown = collective_slowdown(layout, cluster)
     buckets: list[tuple[float, float, float]], backward_seconds: float, period: float | None
 ) -> float:
     """Communication seconds the update waits for. Plain DDP waits after backward for the
     buckets still in flight: all but the tail hid behind the remaining backward. With
+        if workload.double_buffering or ready < backward_seconds * (1 - 1e-9):
+            seconds *= slowdown
     double buffering (``period``: the update's compute and optimizer seconds), bucket k of
     update t is awaited when update t+1's backward fills bucket k, a period later; in steady
     state the update also stretches to the total communication when that exceeds the period."""
@@ -724,7 +752,10 @@ def fsdp_micro_batch(
     out to the parameters (2 x bytes x (1 + 1/p) of memory traffic), and each block's
     gradients into the reduce-scatter's input (2 x 4 bytes a parameter); these copies run
     on the rank's compute at its memory bandwidth. Without ``overlap`` (CPU ranks on busy
-    cores) every collective and copy adds to the compute."""
+    cores) every collective and copy adds to the compute. The prefetched all-gathers and
+    the reduce-scatters with blocks still to run backward go beside compute
+    (``collective_slowdown``); the first two all-gathers and the last two reduce-scatters,
+    which the rank waits for, do not."""
     group = layout.dp_group()
     gather_bytes = 4 if workload.precision == "fp32" else 2
     local = local_parameters(workload.shape, layout.tp)
@@ -741,24 +772,26 @@ def fsdp_micro_batch(
         return collective_time("reduce_scatter", params * 4, group, cluster) if reduce else 0.0
 
     def scatter_copies(params: float) -> float:
+    slowdown = collective_slowdown(layout, cluster)
         return 2 * 4 * params / copy_rate if reduce else 0.0
 
     comm_free = 0.0
     comm_total = 0.0
 
-    def communicate(ready: float, seconds: float) -> float:
+    def communicate(ready: float, seconds: float, beside_compute: bool = True) -> float:
         nonlocal comm_free, comm_total
         comm_free = max(ready, comm_free) + seconds
         comm_total += seconds
         return comm_free
 
     root = local.embedding + local.head
-    root_ready = communicate(0.0, gather(root))
-    gathered = {0: communicate(0.0, gather(local.per_block))}
+    root_ready = communicate(0.0, gather(root), beside_compute=False)
+    gathered = {0: communicate(0.0, gather(local.per_block), beside_compute=False)}
     copies = gather_copies(root)
     clock = root_ready + copies + forward[0].seconds
     for i in range(n):
         clock = max(clock, gathered[i]) + gather_copies(local.per_block)
+        seconds *= slowdown if beside_compute else 1.0
         copies += gather_copies(local.per_block)
         if i + 1 < n:
             gathered[i + 1] = communicate(clock, gather(local.per_block))
@@ -776,10 +809,10 @@ def fsdp_micro_batch(
             regathered[i - 1] = communicate(clock, gather(local.per_block))
         clock += backward[n - i].seconds + scatter_copies(local.per_block)
         copies += scatter_copies(local.per_block)
-        communicate(clock, scatter(local.per_block))
+        communicate(clock, scatter(local.per_block), beside_compute=i >= 1)
     clock += backward[-1].seconds + scatter_copies(root)
     copies += scatter_copies(root)
-    end = max(clock, communicate(clock, scatter(root)))
+    end = max(clock, communicate(clock, scatter(root), beside_compute=False))
     if not overlap:
         compute = sum(segment.seconds for segment in forward) + sum(segment.seconds for segment in backward)
         end = compute + comm_total + copies
