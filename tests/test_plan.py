@@ -23,7 +23,14 @@ from distlm.models import ARCHS, build_model
 from distlm.plan import __main__ as plan_cli
 from distlm.plan import flops
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.flops import count_parameters, flops_per_token, model_shape, parameter_groups, peak_flops
+from distlm.plan.flops import (
+    count_parameter_tensors,
+    count_parameters,
+    flops_per_token,
+    model_shape,
+    parameter_groups,
+    peak_flops,
+)
 from distlm.plan.model import (
     Cluster,
     Group,
@@ -32,6 +39,7 @@ from distlm.plan.model import (
     Workload,
     micro_batch_segments,
     all_gather_time,
+    collective_slowdown,
     collective_time,
     ddp_communication,
     gradient_allreduce_time,
@@ -39,7 +47,6 @@ from distlm.plan.model import (
     load_cluster,
     memory_per_rank,
     project,
-    collective_slowdown,
     ring_allreduce_time,
     tree_allreduce_time,
 )
@@ -77,6 +84,7 @@ def test_parameter_count_is_exact_for_every_arch(vocab_size):
         built = sum(p.numel() for p in model.parameters())
         assert count_parameters(model_shape(arch, vocab_size)) == built, arch
         assert count_parameters(model) == built, arch
+        assert count_parameter_tensors(model) == len(list(model.parameters())), arch
 
 
 def test_hugging_face_configs_are_read_as_transformers_builds_them(tmp_path):
@@ -374,14 +382,6 @@ def test_cpu_ranks_share_the_host_cores():
     assert split.compute_s == pytest.approx(four.compute_s)
 
 
-# --------------------------------------------------------------------------- command line
-
-
-def test_cli_json_rows(capsys):
-    assert plan_cli.main(["--arch", "llama_tiny", "--cluster", "local", "--ranks", "1,2,4", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [row["ranks"] for row in rows] == [1, 2, 4]
-    assert [row["nodes"] for row in rows] == [1, 1, 1]  # --ranks on this machine: one host
 @pytest.mark.parametrize("ranks, threads, cores, slowdown", [
     (2, 1, 2, 2.0),  # each core: one compute thread and one communication thread; alone: one
     (4, 1, 2, 2.0),  # each core: two and two; alone: two communication threads
@@ -423,6 +423,14 @@ def test_only_collectives_issued_during_compute_are_slowed():
     assert project(ddp, cluster, layout).dp_comm_s == pytest.approx(2 * first + rest + token_count)
 
 
+# --------------------------------------------------------------------------- command line
+
+
+def test_cli_json_rows(capsys):
+    assert plan_cli.main(["--arch", "llama_tiny", "--cluster", "local", "--ranks", "1,2,4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["ranks"] for row in rows] == [1, 2, 4]
+    assert [row["nodes"] for row in rows] == [1, 1, 1]  # --ranks on this machine: one host
     for row in rows:
         for key in ("nodes", "ranks", "step_time_s", "tokens_per_s", "efficiency", "memory_bytes_per_rank",
                     "compute_s", "comm_exposed_s", "optimizer_s"):

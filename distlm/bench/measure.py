@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,10 +20,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
+from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
 from distlm.parallel.names import unwrap
 from distlm.plan.flops import device_peak_flops, dtype_name, measure_cpu_matmul_flops
@@ -165,6 +170,9 @@ class StrategyTimes:
     """``distlm.memory.memory_report`` of every rank after an update, in rank order."""
     device: str
     ranks_per_node: int
+    optimizer_plain_s: list[float] = field(default_factory=list)
+    optimizer_dtensor_s: list[float] = field(default_factory=list)
+    """One rank only: ``time_optimizer_on_dtensors``' rounds."""
 
 
 def timed_update(trainer: Any, micro_batches: list[dict[str, Any]], clock: UpdateClock) -> tuple[float, float]:
@@ -215,6 +223,7 @@ def measure_strategy(
                 compute_optimizer.append(in_optimizer)
         progress(f"{strategy}: update {index + 1}/{spec.steps} {step[-1]:.3f} s")
 
+    plain, on_dtensors = time_optimizer_on_dtensors(trainer) if ctx.world_size == 1 else ([], [])
     everyone = ctx.all_gather_object((step, optimizer, compute_step, compute_optimizer, trainer.last_memory))
     result = StrategyTimes(
         strategy=strategy,
@@ -228,11 +237,64 @@ def measure_strategy(
         memory=[rank[4] for rank in everyone],
         device=str(ctx.device),
         ranks_per_node=ctx.env.local_world_size,
+        optimizer_plain_s=plain,
+        optimizer_dtensor_s=on_dtensors,
     )
     del trainer, batches, loader
     gc.collect()
     ctx.barrier()
     return result
+
+
+def time_optimizer_on_dtensors(trainer: Any, rounds: int = 9) -> tuple[list[float], list[float]]:
+    """One rank: the update's optimizer part (gradient clipping, the optimizer step and
+    the norm read on the host) over copies of the model's parameters and gradients, held
+    as plain tensors and as DTensors on a one-rank mesh (as FSDP2 and tensor parallel hold
+    them); seconds per round, the two interleaved after one untimed round each.
+
+    Sharding over more ranks shrinks the bytes the step touches, not DTensor's dispatch
+    for every tensor of every foreach call: the difference is the planner's per-tensor
+    cost of a sharded optimizer step. Without a process group (a one-rank launch) a
+    one-rank gloo group is made for the mesh and removed afterwards."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh(trainer.ctx.device.type, [dist.get_rank()])
+        settings = AdamWSettings.from_config(trainer.config.optim)
+        max_norm = trainer.config.optim.clip_norm or math.inf
+        foreach = trainer.handle.foreach_clip
+        source = list(unwrap(trainer.model).parameters())
+        dtype = source[0].dtype
+
+        def copies(on_dtensors: bool) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+            params = []
+            for original in source:
+                data, grad = original.detach().clone(), torch.full_like(original, 1e-3)
+                if on_dtensors:
+                    data, grad = (distribute_tensor(t, mesh, [Shard(0)]) for t in (data, grad))
+                param = nn.Parameter(data)
+                param.grad = grad
+                params.append(param)
+            return params, build_optimizer(params, settings, dtype)
+
+        contenders = {"plain": copies(False), "dtensor": copies(True)}
+        seconds: dict[str, list[float]] = {name: [] for name in contenders}
+        for index in range(rounds + 1):
+            for name in rotated(list(contenders), index):
+                params, optimizer = contenders[name]
+                gc.collect()
+                start = time.perf_counter()
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
+                optimizer.step()
+                float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                trainer.ctx.backend.synchronize()
+                if index > 0:
+                    seconds[name].append(time.perf_counter() - start)
+        return seconds["plain"], seconds["dtensor"]
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 def _per_update(combine: Callable[[Sequence[float]], float], per_rank: list[list[float]]) -> list[float]:

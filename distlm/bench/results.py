@@ -103,6 +103,10 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
         peaks = [e["launch"]["peak_flops_per_rank"] for e in entries if e["launch"]["peak_flops_per_rank"]]
         peak = statistics.median(peaks) if peaks else None
         per_token = flops_per_token(model_shape(settings["arch"], times["vocab_size"]), spec["tokens_per_sample"])
+        overheads = [
+            statistics.median(e["times"]["optimizer_dtensor_s"]) - statistics.median(e["times"]["optimizer_plain_s"])
+            for e in entries if e["times"].get("optimizer_dtensor_s")
+        ]
         rows.append({
             "world_size": world_size,
             "strategy": strategy,
@@ -127,6 +131,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "compute_s": compute,
             "comm_exposed_s": step - compute - optimizer,
             "optimizer_s": optimizer,
+            "dtensor_optimizer_overhead_s": statistics.median(overheads) if overheads else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": global_batch / step,
             "efficiency": None,

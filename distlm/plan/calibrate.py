@@ -12,7 +12,8 @@ printed one after another:
   ``compute_s``, ``comm_exposed_s``, ``optimizer_s``, ``memory_bytes_per_rank``, ``mfu``,
   ``efficiency``, ``arch``, ``batch_size``, ``tokens_per_sample``, ``precision``): their
   one-rank rows give the achieved FLOP/s (the FLOPs the step runs over its compute time),
-  the optimizer's memory bandwidth, and (``threads_per_rank``, ``host_cores``) how many
+  the optimizer's memory bandwidth, the optimizer step's extra cost per parameter tensor
+  on DTensors (``dtensor_optimizer_overhead_s``), and (``threads_per_rank``, ``host_cores``) how many
   threads a rank computed with on how many cores.
 
 Each collective's fit is least squares of ``time = alpha + bytes x beta`` in relative error
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from distlm.errors import UsageError
-from distlm.plan.flops import count_parameters, dtype_name, model_shape
+from distlm.plan.flops import count_parameter_tensors, count_parameters, dtype_name, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
 
 SCALING_FIELDS = ("world_size", "strategy", "tokens_per_s", "step_time_s", "compute_s")
@@ -68,6 +69,7 @@ class Calibration:
     """``(collective, ranks, ranks per node) -> (alpha, beta)`` of each probed layout."""
     achieved_flops: dict[str, float] = field(default_factory=dict)
     memory_bandwidth_Bps: float | None = None
+    dtensor_step_per_tensor_s: float | None = None
     threads_per_rank: int | None = None
     """Threads each rank computed with in the one-rank rows (the achieved FLOP/s are theirs)."""
     host_cores: int | None = None
@@ -85,6 +87,8 @@ class Calibration:
             measured_collectives={**cluster.measured_collectives, **self.collectives},
             achieved_flops={**cluster.achieved_flops, **self.achieved_flops},
             memory_bandwidth_Bps=self.memory_bandwidth_Bps or cluster.memory_bandwidth_Bps,
+            dtensor_step_per_tensor_s=(cluster.dtensor_step_per_tensor_s if self.dtensor_step_per_tensor_s is None
+                                       else self.dtensor_step_per_tensor_s),
             cpu_threads_per_rank=(self.threads_per_rank if cpu and self.threads_per_rank
                                   else cluster.cpu_threads_per_rank),
             cores_per_node=self.host_cores if cpu and self.host_cores else cluster.cores_per_node,
@@ -221,6 +225,7 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
 
     rates: dict[str, list[float]] = {}
     bandwidths: list[float] = []
+    per_tensor: list[float] = []
     threads: set[int] = set()
     cores: set[int] = set()
     for row in measurements.scaling_rows:
@@ -242,6 +247,10 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
             rates.setdefault(precision, []).append(flops / row["compute_s"])
         if _positive(row.get("optimizer_s")):
             bandwidths.append(count_parameters(shape) * ADAM_BYTES_PER_PARAM / row["optimizer_s"])
+        overhead = row.get("dtensor_optimizer_overhead_s")
+        if isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
+            # Timing noise can make a negligible overhead come out below zero.
+            per_tensor.append(max(0.0, overhead) / count_parameter_tensors(shape))
     for precision, values in rates.items():
         result.achieved_flops[precision] = statistics.median(values)
         result.notes.append(
@@ -251,6 +260,12 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
     if bandwidths:
         result.memory_bandwidth_Bps = statistics.median(bandwidths)
         result.notes.append(f"optimizer step at {result.memory_bandwidth_Bps / 1e9:.2f} GB/s of parameter state")
+    if per_tensor:
+        result.dtensor_step_per_tensor_s = statistics.median(per_tensor)
+        result.notes.append(
+            f"optimizer step on DTensors (FSDP, tensor parallel): {result.dtensor_step_per_tensor_s * 1e6:.1f} us "
+            "more per parameter tensor"
+        )
     if len(threads) > 1 or len(cores) > 1:
         raise UsageError(
             f"--calibrate: the one-rank rows ran with {sorted(threads)} threads per rank on {sorted(cores)} cores; "

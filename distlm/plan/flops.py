@@ -229,6 +229,19 @@ def parameter_groups(model: object) -> ParameterGroups:
     return ParameterGroups(embedding=embedding, per_block=block, head=head, output_projection=output, blocks=s.n_layers)
 
 
+def count_parameter_tensors(model: object) -> int:
+    """How many parameter tensors the model distlm builds for ``model`` holds (tied ones
+    once): per-tensor costs, such as DTensor's dispatch in the optimizer step, scale with it."""
+    s = model_shape(model)
+    if s.family == "llama":
+        # Token table; wq wk wv wo, w1 w2 w3 and two norms a block; final norm; the output unless tied.
+        return 1 + 9 * s.n_layers + 1 + (0 if s.tied_output else 1)
+    # Token and position tables and the embedding LayerNorm's two; per block the four attention
+    # projections, fc1 and fc2 (weight and bias each) and two LayerNorms; the LM head's dense,
+    # LayerNorm and output bias.
+    return 4 + 16 * s.n_layers + 5
+
+
 def count_parameters(config: object) -> int:
     """Exact parameter count of the model distlm builds from ``config`` (an arch name,
     a config with its vocabulary set, a config.json path, a model or a ``ModelShape``);

@@ -50,6 +50,7 @@ from distlm.errors import UsageError
 from distlm.plan.flops import (
     DTYPES,
     ModelShape,
+    count_parameter_tensors,
     device_key,
     dtype_name,
     flops_per_token,
@@ -122,6 +123,10 @@ class Cluster:
     measured_collectives: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict)
     """``(collective, ranks, ranks per node) -> (alpha, beta)``: measured ``alpha + bytes x beta``
     of one group alone (calibration); wins over the link's formulas for a group of that shape."""
+    dtensor_step_per_tensor_s: float = 0.0
+    """Seconds per parameter tensor that clipping and the optimizer step take on DTensors
+    (FSDP, tensor parallel) beyond plain tensors: DTensor's dispatch, measured on one
+    rank (calibration); 0 otherwise."""
 
     def peak_flops_per_rank(self, precision: str) -> float:
         if self.device_type == "cpu":
@@ -380,11 +385,6 @@ def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
     return 1.0 if busy is None else max(1.0, busy / cluster.cores_per_node)
 
 
-def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
-    """Whether collectives can run beside compute. Accelerators have engines of their own
-    for them; CPU ranks need a core, and when every core computes (ranks x threads >=
-    cores) each collective's time adds to the step."""
-    busy = cpu_busy_threads(layout, cluster)
 def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
     """How much longer a CPU collective takes beside its rank's compute than alone.
 
@@ -403,6 +403,11 @@ def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
     return beside / alone
 
 
+def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
+    """Whether collectives can run beside compute. Accelerators have engines of their own
+    for them; CPU ranks need a core, and when every core computes (ranks x threads >=
+    cores) each collective's time adds to the step."""
+    busy = cpu_busy_threads(layout, cluster)
     return busy is None or busy < cluster.cores_per_node
 
 
@@ -651,11 +656,17 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: f
 
 def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
     """The memory-bound AdamW step over the parameters this rank updates; with FSDP's
-    sharded gradients, clipping adds an all-reduce of the squared norm."""
+    sharded gradients, clipping adds an all-reduce of the squared norm. Parameters held as
+    DTensors (FSDP, tensor parallel) add DTensor's dispatch for every tensor, however
+    small its shard."""
     local = local_parameters(workload.shape, layout.tp).total
     updated = local if workload.strategy == "ddp" or layout.dp == 1 else local / layout.dp
-    seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps * compute_slowdown(layout, cluster)
-    if workload.strategy == "fsdp" and layout.dp > 1:
+    seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
+    fsdp = workload.strategy == "fsdp" and layout.dp > 1
+    if fsdp or layout.tp > 1:
+        seconds += cluster.dtensor_step_per_tensor_s * count_parameter_tensors(workload.shape)
+    seconds *= compute_slowdown(layout, cluster)
+    if fsdp:
         seconds += collective_time("all_reduce", 4, layout.dp_group(), cluster, "auto")
     return seconds
 
@@ -708,10 +719,14 @@ def ddp_communication(
     backward ends runs beside compute (``collective_slowdown``); with double buffering
     every bucket does, beside the next update."""
     total_bytes = 4 * sum(segment.params for segment in backward)
+    backward_seconds = sum(segment.seconds for segment in backward)
+    slowdown = collective_slowdown(layout, cluster)
     buckets, comm_free, previous = [], 0.0, 0.0
     for end in _bucket_boundaries(total_bytes, workload.bucket_cap_mb * MIB):
         seconds = gradient_allreduce_time(end - previous, workload, layout, cluster)
         ready = _ready_time(end, backward)
+        if workload.double_buffering or ready < backward_seconds * (1 - 1e-9):
+            seconds *= slowdown
         comm_free = max(ready, comm_free) + seconds
         buckets.append((ready, comm_free, seconds))
         previous = end
@@ -719,14 +734,10 @@ def ddp_communication(
 
 
 def exposed_ddp_seconds(
-    backward_seconds = sum(segment.seconds for segment in backward)
-    slowdown = collective_slowdown(layout, cluster)
     buckets: list[tuple[float, float, float]], backward_seconds: float, period: float | None
 ) -> float:
     """Communication seconds the update waits for. Plain DDP waits after backward for the
     buckets still in flight: all but the tail hid behind the remaining backward. With
-        if workload.double_buffering or ready < backward_seconds * (1 - 1e-9):
-            seconds *= slowdown
     double buffering (``period``: the update's compute and optimizer seconds), bucket k of
     update t is awaited when update t+1's backward fills bucket k, a period later; in steady
     state the update also stretches to the total communication when that exceeds the period."""
@@ -761,6 +772,7 @@ def fsdp_micro_batch(
     local = local_parameters(workload.shape, layout.tp)
     n = workload.shape.n_layers
     copy_rate = cluster.memory_bandwidth_Bps / compute_slowdown(layout, cluster)
+    slowdown = collective_slowdown(layout, cluster)
 
     def gather(params: float) -> float:
         return collective_time("all_gather", params * gather_bytes, group, cluster)
@@ -772,7 +784,6 @@ def fsdp_micro_batch(
         return collective_time("reduce_scatter", params * 4, group, cluster) if reduce else 0.0
 
     def scatter_copies(params: float) -> float:
-    slowdown = collective_slowdown(layout, cluster)
         return 2 * 4 * params / copy_rate if reduce else 0.0
 
     comm_free = 0.0
@@ -780,6 +791,7 @@ def fsdp_micro_batch(
 
     def communicate(ready: float, seconds: float, beside_compute: bool = True) -> float:
         nonlocal comm_free, comm_total
+        seconds *= slowdown if beside_compute else 1.0
         comm_free = max(ready, comm_free) + seconds
         comm_total += seconds
         return comm_free
@@ -791,7 +803,6 @@ def fsdp_micro_batch(
     clock = root_ready + copies + forward[0].seconds
     for i in range(n):
         clock = max(clock, gathered[i]) + gather_copies(local.per_block)
-        seconds *= slowdown if beside_compute else 1.0
         copies += gather_copies(local.per_block)
         if i + 1 < n:
             gathered[i + 1] = communicate(clock, gather(local.per_block))
