@@ -140,8 +140,9 @@ def test_calibration_file_is_what_the_planner_fits(sweep):
 def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep):
     """The planner calibrated from calibration.jsonl predicts the 2-rank (probed) and 4-rank
     (not probed) points of ddp and fsdp from their parts, each recomputed here by hand:
-    compute and optimizer are the one-rank row's, slowed by ranks x threads over cores when
-    they exceed them (FSDP's optimizer steps a 1/N shard, pays DTensor's per-tensor dispatch measured on
+    compute and optimizer are the one-rank row's, slowed as the host-sharing row of 2
+    one-rank updates at once measured (2 ranks), or by ranks x threads over cores when
+    they exceed them (4 ranks) (FSDP's optimizer steps a 1/N shard, pays DTensor's per-tensor dispatch measured on
     one rank, and all-reduces the gradient norm);
     communication is the fitted alpha + beta x bytes of each collective over the model's
     gradients and parameters (4 ranks: the ring formulas on the link of the 2-rank
@@ -168,8 +169,14 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
         rows = [row for row in probe["collectives"] if row["method"] == method]
         return fit_line([row["size_bytes"] for row in rows], [row["median_s"] for row in rows])
 
+    # 2 ranks: the sweep also timed 2 one-rank updates at once; their slowdowns against the
+    # one-rank row replace the cores' ratio (the batches are equal in weak scaling).
+    sharing = next(obj for obj in objects if obj.get("benchmark") == "host_sharing")
+    assert (sharing["processes"], sharing["batch_size"], sharing["threads_per_rank"]) == (2, BATCH, threads)
+    measured = {2: (sharing["compute_s"] / one_rank["compute_s"], sharing["optimizer_s"] / one_rank["optimizer_s"])}
     for ranks in (2, 4):
         slowdown = max(1.0, ranks * threads / cores)
+        slowdown, memory = measured.get(ranks, (slowdown, slowdown))
         beside = max(1.0, ranks * (threads + 1) / cores) / max(1.0, ranks / cores)
         if ranks == 2:
             costs = {method: fit(method) for method in ("plain", "all_gather", "reduce_scatter")}
@@ -195,13 +202,13 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
         for strategy in ("ddp", "fsdp"):
             workload = Workload(shape=shape, strategy=strategy, tokens_per_sample=TOKENS, batch_size=BATCH)
             row = project(workload, cluster, Layout(nodes=1, ranks_per_node=ranks))
-            assert row.compute_slowdown == slowdown
+            assert row.compute_slowdown == pytest.approx(slowdown, rel=1e-3)
             assert row.compute_s == pytest.approx(one_rank["compute_s"] * slowdown, rel=1e-3)
-            optimizer = one_rank["optimizer_s"] * slowdown
+            optimizer = one_rank["optimizer_s"] * memory
             if strategy == "fsdp":
                 # A 1/N shard, DTensor's dispatch for every parameter tensor (measured on one
                 # rank, at least 0), and the gradient norm's all-reduce.
-                dispatch = max(0.0, one_rank["dtensor_optimizer_overhead_s"]) * slowdown
+                dispatch = max(0.0, one_rank["dtensor_optimizer_overhead_s"]) * memory
                 optimizer = optimizer / ranks + dispatch + small(4)
             assert row.optimizer_s == pytest.approx(optimizer, rel=1e-9)
             if strategy == "ddp":
@@ -219,7 +226,7 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
                         + beside * (n - 1) * reduce_scatter(4 * block)
                         + reduce_scatter(4 * block) + reduce_scatter(4 * root))
                 gathered = 4 * root + (2 * n - 1) * 4 * block
-                copies = (2 * gathered * (1 + 1 / ranks) + 2 * 4 * params) / bandwidth * slowdown
+                copies = (2 * gathered * (1 + 1 / ranks) + 2 * 4 * params) / bandwidth * memory
             comm += small(8)  # the global target-token count
             assert row.dp_comm_s == pytest.approx(comm, rel=1e-9), (ranks, strategy)
             assert row.fsdp_copy_s == pytest.approx(copies, rel=1e-9), (ranks, strategy)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -62,6 +64,10 @@ class LaunchSpec:
     allreduce_sizes: list[int] = field(default_factory=list)
     """fp32 buffer sizes in bytes for the plain all-reduce probe (empty: no probe)."""
     seed: int = 1
+    concurrent_processes: int = 1
+    """One-rank launches that run at once on this host (``HostSharing``); 1: this one alone."""
+    rendezvous_dir: str | None = None
+    """Where the concurrent launches meet (``HostSharing``)."""
 
     def trainer_flags(self, strategy: str) -> list[str]:
         """distlm.train's flags for ``strategy``: fixed-length samples, nothing saved or validated."""
@@ -152,6 +158,46 @@ def communication_off(trainer: Any) -> Iterator[None]:
 # --------------------------------------------------------------------------- measuring
 
 
+class HostSharing:
+    """Keeps ``processes`` independent one-rank launches timing at the same time.
+
+    The launches share nothing but the host: each times its updates only once all of
+    them have warmed up, and keeps running untimed updates until all have finished
+    timing, so every timed update runs with the others' compute beside it. They meet
+    through files in ``directory`` (one per launch and stage), which needs no process
+    group. A launch that never arrives ends the wait after ``timeout_s`` with an error.
+    """
+
+    def __init__(self, directory: str | None, processes: int, timeout_s: float = 900.0):
+        self.directory = None if directory is None else Path(directory)
+        self.processes = processes
+        self.timeout_s = timeout_s
+        self.name = f"{os.getpid()}"
+
+    @property
+    def shared(self) -> bool:
+        return self.directory is not None and self.processes > 1
+
+    def arrive(self, stage: str) -> None:
+        if self.shared:
+            (self.directory / f"{stage}.{self.name}").touch()
+
+    def everyone(self, stage: str) -> bool:
+        return not self.shared or len(list(self.directory.glob(f"{stage}.*"))) >= self.processes
+
+    def wait(self, stage: str, keep_busy: Callable[[], None] = lambda: time.sleep(0.01)) -> None:
+        """Arrive at ``stage`` and run ``keep_busy`` until every launch has arrived."""
+        self.arrive(stage)
+        deadline = time.monotonic() + self.timeout_s
+        while not self.everyone(stage):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{self.processes} concurrent one-rank launches: only "
+                    f"{len(list(self.directory.glob(f'{stage}.*')))} reached {stage!r} within {self.timeout_s:.0f} s"
+                )
+            keep_busy()
+
+
 @dataclass
 class StrategyTimes:
     """One strategy at one world size, one launch: per timed update, the slowest rank's
@@ -206,6 +252,8 @@ def measure_strategy(
         with communication_off(trainer):  # first allocations of the gathered parameters
             timed_update(trainer, batches[0], clock)
 
+    sharing = HostSharing(spec.rendezvous_dir, spec.concurrent_processes)
+    sharing.wait(f"{strategy}.warm")
     step, optimizer, compute_step, compute_optimizer = [], [], [], []
     for index in range(spec.steps):
         batch = batches[index % len(batches)]
@@ -222,8 +270,10 @@ def measure_strategy(
                 compute_step.append(seconds)
                 compute_optimizer.append(in_optimizer)
         progress(f"{strategy}: update {index + 1}/{spec.steps} {step[-1]:.3f} s")
+    sharing.wait(f"{strategy}.timed", keep_busy=lambda: trainer.train_step(batches[0]))
 
-    plain, on_dtensors = time_optimizer_on_dtensors(trainer) if ctx.world_size == 1 else ([], [])
+    alone = ctx.world_size == 1 and not sharing.shared
+    plain, on_dtensors = time_optimizer_on_dtensors(trainer) if alone else ([], [])
     everyone = ctx.all_gather_object((step, optimizer, compute_step, compute_optimizer, trainer.last_memory))
     result = StrategyTimes(
         strategy=strategy,
@@ -373,7 +423,11 @@ def measure_launch(spec: LaunchSpec, progress: Callable[[str], None] = lambda li
     if distributed and spec.allreduce_sizes:
         progress(f"collective probe (all-reduce, all-gather, reduce-scatter): {len(spec.allreduce_sizes)} sizes")
         allreduce = probe_collectives(spec.allreduce_sizes, results[-1].ranks_per_node, device)
-    peak = peak_flops_per_rank(device, spec.precision) if not distributed or dist.get_rank() == 0 else None
+    peak = None
+    # The peak is one rank's alone: concurrent one-rank launches would time it beside each other.
+    if not HostSharing(spec.rendezvous_dir, spec.concurrent_processes).shared and (
+            not distributed or dist.get_rank() == 0):
+        peak = peak_flops_per_rank(device, spec.precision)
     if distributed:
         dist.barrier()  # the other ranks wait while rank 0 times its matmul alone
     return {"strategies": [asdict(result) for result in results], "allreduce": allreduce,

@@ -216,12 +216,42 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return reports
 
 
-def calibration_objects(rows: list[dict[str, Any]], reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def host_sharing_rows(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One object per count of concurrent one-rank launches (``scaling.run_concurrent``):
+    the medians over repetitions of their mean compute and optimizer seconds."""
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for launch in launches:
+        grouped.setdefault(launch["concurrent_processes"], []).append(launch)
+    rows = []
+    for processes, group in sorted(grouped.items()):
+        spec = group[-1]["spec"]
+        rows.append({
+            "benchmark": "host_sharing",
+            "processes": processes,
+            "arch": spec["arch"],
+            "vocab_size": group[-1]["vocab_size"],
+            "tokens_per_sample": spec["tokens_per_sample"],
+            "batch_size": spec["batch_size"],
+            "update_freq": spec["update_freq"],
+            "precision": spec["precision"],
+            "threads_per_rank": group[-1]["threads_per_rank"],
+            "device": group[-1]["device"],
+            "repeats": len(group),
+            "compute_s": statistics.median(launch["compute_s"] for launch in group),
+            "optimizer_s": statistics.median(launch["optimizer_s"] for launch in group),
+        })
+    return rows
+
+
+def calibration_objects(
+    rows: list[dict[str, Any]], reports: list[dict[str, Any]], sharing: list[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """What ``distlm.plan --calibrate`` should fit to: the one-rank rows (achieved FLOP/s,
-    optimizer bandwidth, threads and cores) and every layout's collective probe (each
-    collective alone, so each layout's alpha and beta). No update measured at more than
-    one rank, which is what the planner is asked to predict."""
-    return [row for row in rows if row["world_size"] == 1] + list(reports)
+    optimizer bandwidth, threads and cores), the same one-rank update run N times at once
+    (what sharing the host costs compute and optimizer, ``host_sharing_rows``) and every
+    layout's collective probe (each collective alone, so each layout's alpha and beta). No
+    update measured at more than one rank, which is what the planner is asked to predict."""
+    return [row for row in rows if row["world_size"] == 1] + list(sharing) + list(reports)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -23,10 +23,14 @@ update) and raw/ (every launch's spec, raw timings and output).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -136,6 +140,9 @@ def build_parser() -> OneLineErrorParser:
     add("--allreduce-max-mib", type=float, default=16.0,
         help="largest buffer of the collective probe (all-reduce, all-gather, reduce-scatter), 64 KiB x 4^k "
              "up to this (default 16; 0: no probe)")
+    add("--no-host-sharing", dest="host_sharing", action="store_false",
+        help="on one machine, do not also time N one-rank launches at once for each world size N > 1 "
+             "(what sharing the host costs compute, for distlm.plan --calibrate)")
     add("--no-plots", action="store_true", help="write no PNG files (matplotlib not needed)")
     add("--out", required=True, help="output directory")
     return parser
@@ -328,7 +335,52 @@ def run_launches(
                 launch = run_torchrun(spec, world_size, threads, stem, label)
                 launches.append(launch)
                 _report(launch, label, started)
+            if world_size > 1 and args.host_sharing and any(item.tp_degree == 1 for item in planned):
+                spec = host_sharing_spec(args, world_size, ranks, planned)
+                label = f"repetition {repeat + 1}/{args.repeats}, {world_size} one-rank launches at once"
+                _say(f"[{label}] {spec.strategies[0]}: batch {spec.batch_size} x {spec.update_freq} each")
+                started = time.perf_counter()
+                launch = run_concurrent(spec, world_size, threads, raw / f"rep{repeat + 1}_alone{world_size}", label)
+                launches.append(launch)
+                _say(f"[{label}] compute {launch['compute_s']:.4f} s, optimizer {launch['optimizer_s']:.4f} s "
+                     f"({time.perf_counter() - started:.0f} s)")
     return launches
+
+
+def host_sharing_spec(args: argparse.Namespace, world_size: int, ranks: list[int], planned: list[Launch]) -> LaunchSpec:
+    """A one-rank launch with ``world_size``'s batch per replica, to run ``world_size`` times at once."""
+    first = next(launch for launch in planned if launch.tp_degree == 1)
+    spec = launch_spec(args, Launch(1, first.comm_hook, 1, first.strategies[:1]), list(first.strategies[:1]), ranks)
+    return dataclasses.replace(spec, batch_size=replica_batch_size(args, world_size, ranks), allreduce_sizes=[],
+                               concurrent_processes=world_size)
+
+
+def run_concurrent(spec: LaunchSpec, processes: int, threads: int, stem: Path, label: str) -> dict[str, Any]:
+    """``processes`` one-rank workers at once, each a plain ``python -m distlm.bench.worker``
+    timing while all the others do (``measure.HostSharing``). Returns the launches' mean
+    compute and optimizer seconds (each launch's median over its updates)."""
+    meeting = stem.with_name(stem.name + ".rendezvous")
+    shutil.rmtree(meeting, ignore_errors=True)
+    meeting.mkdir(parents=True)
+    spec = dataclasses.replace(spec, rendezvous_dir=str(meeting))
+    workers = [
+        _start_worker([sys.executable, "-m", "distlm.bench.worker"], spec, threads,
+                      stem.with_name(f"{stem.name}_{index}"), label if index == 0 else None)
+        for index in range(processes)
+    ]
+    try:
+        outputs = [_finish_worker(worker, f"one of {processes} concurrent one-rank launches") for worker in workers]
+    except BaseException:
+        for worker in workers:  # the others would wait for the failed one at the rendezvous
+            worker.process.terminate()
+        raise
+    summaries = [results.launch_summary(output["strategies"][0]) for output in outputs]
+    return {
+        "spec": asdict(spec), "concurrent_processes": processes, "threads_per_rank": threads,
+        "device": outputs[0]["device"], "vocab_size": outputs[0]["strategies"][0]["vocab_size"],
+        "compute_s": statistics.fmean(s["step"] - s["optimizer"] for s in summaries),
+        "optimizer_s": statistics.fmean(s["optimizer"] for s in summaries),
+    }
 
 
 def _report(launch: dict[str, Any], label: str, started: float) -> None:
@@ -341,34 +393,60 @@ def _report(launch: dict[str, Any], label: str, started: float) -> None:
 
 def run_torchrun(spec: LaunchSpec, world_size: int, threads: int, stem: Path, label: str) -> dict[str, Any]:
     """One torchrun of the worker; its output goes to ``stem``.log, progress lines also to stderr."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--standalone",
+               "-m", "distlm.bench.worker"]
+    return _finish_worker(_start_worker(command, spec, threads, stem, label), f"the {world_size}-rank launch")
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    reader: threading.Thread
+    out_path: Path
+    log_path: Path
+    errors: list[str]
+
+
+def _start_worker(command: list[str], spec: LaunchSpec, threads: int, stem: Path, label: str | None) -> _Worker:
+    """Start ``command SPEC.json OUT.json`` with ``threads`` per rank; a thread copies its
+    output to ``stem``.log and, with a ``label``, its progress lines to stderr."""
     spec_path, out_path, log_path = (stem.with_name(stem.name + suffix) for suffix in (".spec.json", ".json", ".log"))
     spec_path.write_text(json.dumps(asdict(spec), indent=1))
     out_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--standalone",
-               "-m", "distlm.bench.worker", str(spec_path), str(out_path)]
     package_root = str(Path(__file__).resolve().parents[2])
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": python_path}
-    error = None
-    with open(log_path, "w") as log, subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    ) as process:
-        try:
+    process = subprocess.Popen([*command, str(spec_path), str(out_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env)
+    errors: list[str] = []
+
+    def copy_output() -> None:
+        with open(log_path, "w") as log:
             for line in process.stdout:
                 log.write(line)
-                if line.startswith(PROGRESS_PREFIX):
+                if line.startswith(PROGRESS_PREFIX) and label is not None:
                     _say(f"[{label}] {line[len(PROGRESS_PREFIX):].rstrip()}")
-                elif ERROR_PREFIX in line and error is None:
-                    error = line.split(ERROR_PREFIX, 1)[1].strip()
-        except BaseException:
-            process.terminate()  # torchrun stops its workers
-            raise
-        status = process.wait()
-    if error is not None:
-        raise UsageError(error)
-    if status != 0 or not out_path.is_file():
-        raise LaunchFailed(f"the {world_size}-rank launch failed (exit status {status}); its output is in {log_path}")
-    return json.loads(out_path.read_text())
+                elif ERROR_PREFIX in line:
+                    errors.append(line.split(ERROR_PREFIX, 1)[1].strip())
+
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    return _Worker(process, reader, out_path, log_path, errors)
+
+
+def _finish_worker(worker: _Worker, what: str) -> dict[str, Any]:
+    """The worker's result once it has ended; UsageError with its first error line, LaunchFailed without one."""
+    try:
+        status = worker.process.wait()
+    except BaseException:
+        worker.process.terminate()  # torchrun stops its workers
+        raise
+    worker.reader.join()
+    if worker.errors:
+        raise UsageError(worker.errors[0])
+    if status != 0 or not worker.out_path.is_file():
+        raise LaunchFailed(f"{what} failed (exit status {status}); its output is in {worker.log_path}")
+    return json.loads(worker.out_path.read_text())
 
 
 def run_in_place(args: argparse.Namespace, env: ClusterEnv, planned: list[Launch]) -> list[dict[str, Any]]:
@@ -394,6 +472,8 @@ def write_outputs(
 ) -> list[dict]:
     """results.jsonl, allreduce.jsonl, calibration.jsonl, results.md and the plots."""
     settings = {"arch": args.arch, "mode": args.mode, "strategies": args.strategy, "combinations": combos}
+    sharing = results.host_sharing_rows([launch for launch in launches if "concurrent_processes" in launch])
+    launches = [launch for launch in launches if "concurrent_processes" not in launch]
     rows = results.point_rows(launches, settings)
     reports = results.allreduce_reports(launches)
     if merge:
@@ -402,7 +482,7 @@ def write_outputs(
     results.write_jsonl(out_dir / results.RESULTS, rows)
     if reports:
         results.write_jsonl(out_dir / results.ALLREDUCE, reports)
-    calibration = results.calibration_objects(rows, reports)
+    calibration = results.calibration_objects(rows, reports, sharing)
     if calibration:
         results.write_jsonl(out_dir / results.CALIBRATION, calibration)
     (out_dir / results.TABLE).write_text(results.markdown_table(rows))

@@ -85,7 +85,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
         notes.append(
             f"{cluster.cores_per_node} cores per {'host' if cluster.single_host else 'node'}, "
             f"{cluster.cpu_threads_per_rank or 1} thread(s) per rank: more ranks x threads than cores slow every "
-            "rank down by their ratio, and collectives overlap compute only while a core is idle"
+            "rank down by their ratio (or as measured with that many one-rank updates at once), collectives "
+            "overlap compute only while a core is idle, and one issued while its rank computes shares its cores"
         )
     shape = model_shape(args.arch, args.vocab_size)
     rows = []

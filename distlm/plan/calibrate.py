@@ -14,7 +14,11 @@ printed one after another:
   one-rank rows give the achieved FLOP/s (the FLOPs the step runs over its compute time),
   the optimizer's memory bandwidth, the optimizer step's extra cost per parameter tensor
   on DTensors (``dtensor_optimizer_overhead_s``), and (``threads_per_rank``, ``host_cores``) how many
-  threads a rank computed with on how many cores.
+  threads a rank computed with on how many cores;
+* the suite's host-sharing rows (``"benchmark": "host_sharing"``): the one-rank update run by
+  ``processes`` independent launches at once on the host, nothing communicated; against
+  the one-rank rows they give how much slower compute and the optimizer step run when
+  that many ranks share the host's cores, caches and memory.
 
 Each collective's fit is least squares of ``time = alpha + bytes x beta`` in relative error
 (every size weighs alike, from 64 KiB to 256 MiB), per collective and layout; the planner
@@ -57,6 +61,7 @@ class CollectivePoint:
 class Measurements:
     collectives: list[CollectivePoint] = field(default_factory=list)
     scaling_rows: list[dict[str, Any]] = field(default_factory=list)
+    host_sharing: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -69,6 +74,9 @@ class Calibration:
     """``(collective, ranks, ranks per node) -> (alpha, beta)`` of each probed layout."""
     achieved_flops: dict[str, float] = field(default_factory=dict)
     memory_bandwidth_Bps: float | None = None
+    host_sharing: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """``processes -> (compute, optimizer)``: how much slower each runs when that many
+    one-rank updates share the host than one alone."""
     dtensor_step_per_tensor_s: float | None = None
     threads_per_rank: int | None = None
     """Threads each rank computed with in the one-rank rows (the achieved FLOP/s are theirs)."""
@@ -87,6 +95,8 @@ class Calibration:
             measured_collectives={**cluster.measured_collectives, **self.collectives},
             achieved_flops={**cluster.achieved_flops, **self.achieved_flops},
             memory_bandwidth_Bps=self.memory_bandwidth_Bps or cluster.memory_bandwidth_Bps,
+            measured_host_sharing={**cluster.measured_host_sharing, **self.host_sharing} if cpu
+            else cluster.measured_host_sharing,
             dtensor_step_per_tensor_s=(cluster.dtensor_step_per_tensor_s if self.dtensor_step_per_tensor_s is None
                                        else self.dtensor_step_per_tensor_s),
             cpu_threads_per_rank=(self.threads_per_rank if cpu and self.threads_per_rank
@@ -137,12 +147,18 @@ def _add_object(obj: Any, measurements: Measurements, where: str) -> None:
                 raise UsageError(f"{where}: collectives row {row} needs positive size_bytes and median_s")
             measurements.collectives.append(CollectivePoint(float(nbytes), float(seconds), world, per_node, kind))
         return
+    if isinstance(obj, dict) and obj.get("benchmark") == "host_sharing":
+        for name in ("processes", "arch", "tokens_per_sample", "batch_size", "compute_s", "optimizer_s"):
+            if name not in obj:
+                raise UsageError(f"{where}: a host-sharing row needs {name}")
+        measurements.host_sharing.append(obj)
+        return
     if isinstance(obj, dict) and all(name in obj for name in SCALING_FIELDS):
         measurements.scaling_rows.append(obj)
         return
     raise UsageError(
-        f"{where} is neither benchmarks/allreduce.py's report nor a scaling-suite row "
-        f"(which has at least {', '.join(SCALING_FIELDS)})"
+        f"{where} is neither benchmarks/allreduce.py's report, a scaling-suite row "
+        f"(which has at least {', '.join(SCALING_FIELDS)}) nor a host-sharing row"
     )
 
 
@@ -266,6 +282,7 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
             f"optimizer step on DTensors (FSDP, tensor parallel): {result.dtensor_step_per_tensor_s * 1e6:.1f} us "
             "more per parameter tensor"
         )
+    _fit_host_sharing(measurements.host_sharing, result, vocab_size, threads)
     if len(threads) > 1 or len(cores) > 1:
         raise UsageError(
             f"--calibrate: the one-rank rows ran with {sorted(threads)} threads per rank on {sorted(cores)} cores; "
@@ -282,3 +299,39 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
     if not result.notes:
         raise UsageError("--calibrate: nothing to fit: no plain all-reduce points and no one-rank scaling rows")
     return result
+
+
+def _fit_host_sharing(
+    rows: list[dict[str, Any]], result: Calibration, vocab_size: int | None, one_rank_threads: set[int]
+) -> None:
+    """Per count of concurrent one-rank updates, their compute and optimizer slowdowns
+    against the one-rank rows: achieved FLOP/s (the batches may differ) and optimizer
+    seconds (the same parameters)."""
+    if not rows:
+        return
+    if not result.achieved_flops or result.memory_bandwidth_Bps is None:
+        raise UsageError("--calibrate: host-sharing rows need the one-rank scaling rows they compare with")
+    factors: dict[int, list[tuple[float, float]]] = {}
+    for row in rows:
+        if one_rank_threads and row.get("threads_per_rank") not in one_rank_threads:
+            raise UsageError(
+                f"--calibrate: a host-sharing row ran {row.get('threads_per_rank')} threads per rank, the one-rank "
+                f"rows {sorted(one_rank_threads)}; calibrate from rows of one setting"
+            )
+        shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
+        tokens, samples = int(row["tokens_per_sample"]), int(row["batch_size"]) * int(row.get("update_freq", 1))
+        precision = dtype_name(row.get("precision", "fp32"))
+        if precision not in result.achieved_flops or not (_positive(row["compute_s"]) and _positive(row["optimizer_s"])):
+            continue
+        achieved = samples * tokens * executed_flops_per_token(shape, tokens) / row["compute_s"]
+        alone_optimizer = count_parameters(shape) * ADAM_BYTES_PER_PARAM / result.memory_bandwidth_Bps
+        factors.setdefault(int(row["processes"]), []).append(
+            (result.achieved_flops[precision] / achieved, row["optimizer_s"] / alone_optimizer)
+        )
+    for processes, values in sorted(factors.items()):
+        compute = statistics.median(value[0] for value in values)
+        optimizer = statistics.median(value[1] for value in values)
+        result.host_sharing[processes] = (compute, optimizer)
+        result.notes.append(
+            f"{processes} one-rank updates at once: compute {compute:.2f}x, optimizer {optimizer:.2f}x one alone"
+        )

@@ -23,7 +23,9 @@
 * CPU ranks (the ``local`` profile): collectives run on the host's cores, so when every
   core computes (ranks x threads >= cores) nothing overlaps: each collective adds its
   whole time. More ranks x threads than cores share them: compute, optimizer and copies
-  slow down by ranks x threads / cores. A collective issued while its rank still computes
+  slow down by ranks x threads / cores, or as measured with that many one-rank updates at
+  once on the host (``--calibrate`` with the suite's host-sharing rows: shared caches and
+  memory bandwidth count too). A collective issued while its rank still computes
   (FSDP's prefetched all-gathers, its reduce-scatters behind the next block's backward,
   DDP's buckets filled before backward ends) shares the cores with that compute: it runs
   slower than the probe that timed it alone, by the ratio of runnable threads to cores
@@ -123,6 +125,9 @@ class Cluster:
     measured_collectives: dict[tuple[str, int, int], tuple[float, float]] = field(default_factory=dict)
     """``(collective, ranks, ranks per node) -> (alpha, beta)``: measured ``alpha + bytes x beta``
     of one group alone (calibration); wins over the link's formulas for a group of that shape."""
+    measured_host_sharing: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """For ``cpu``: ``ranks on a host -> (compute, optimizer)`` slowdowns measured with that many
+    one-rank updates at once (calibration); win over ranks x threads / cores."""
     dtensor_step_per_tensor_s: float = 0.0
     """Seconds per parameter tensor that clipping and the optimizer step take on DTensors
     (FSDP, tensor parallel) beyond plain tensors: DTensor's dispatch, measured on one
@@ -379,10 +384,23 @@ def cpu_busy_threads(layout: Layout, cluster: Cluster) -> int | None:
 
 
 def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
-    """How much slower each rank computes because its host's cores are shared: ranks x
-    threads over cores when they exceed them (the scheduler time-slices), else 1."""
+    """How much slower each rank computes because its host's cores are shared: as measured
+    with that many one-rank updates at once, else ranks x threads over cores when they
+    exceed them (the scheduler time-slices), else 1."""
     busy = cpu_busy_threads(layout, cluster)
-    return 1.0 if busy is None else max(1.0, busy / cluster.cores_per_node)
+    if busy is None:
+        return 1.0
+    measured = cluster.measured_host_sharing.get(host_ranks(layout, cluster))
+    return measured[0] if measured else max(1.0, busy / cluster.cores_per_node)
+
+
+def memory_slowdown(layout: Layout, cluster: Cluster) -> float:
+    """The same for the memory-bound work (optimizer step, FSDP's copies): as measured for
+    the optimizer step, else ``compute_slowdown``."""
+    measured = cluster.measured_host_sharing.get(host_ranks(layout, cluster))
+    if cpu_busy_threads(layout, cluster) is not None and measured:
+        return measured[1]
+    return compute_slowdown(layout, cluster)
 
 
 def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
@@ -665,7 +683,7 @@ def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> f
     fsdp = workload.strategy == "fsdp" and layout.dp > 1
     if fsdp or layout.tp > 1:
         seconds += cluster.dtensor_step_per_tensor_s * count_parameter_tensors(workload.shape)
-    seconds *= compute_slowdown(layout, cluster)
+    seconds *= memory_slowdown(layout, cluster)
     if fsdp:
         seconds += collective_time("all_reduce", 4, layout.dp_group(), cluster, "auto")
     return seconds
@@ -771,7 +789,7 @@ def fsdp_micro_batch(
     gather_bytes = 4 if workload.precision == "fp32" else 2
     local = local_parameters(workload.shape, layout.tp)
     n = workload.shape.n_layers
-    copy_rate = cluster.memory_bandwidth_Bps / compute_slowdown(layout, cluster)
+    copy_rate = cluster.memory_bandwidth_Bps / memory_slowdown(layout, cluster)
     slowdown = collective_slowdown(layout, cluster)
 
     def gather(params: float) -> float:
