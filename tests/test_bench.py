@@ -170,10 +170,13 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
         return fit_line([row["size_bytes"] for row in rows], [row["median_s"] for row in rows])
 
     # 2 ranks: the sweep also timed 2 one-rank updates at once; their slowdowns against the
-    # one-rank row replace the cores' ratio (the batches are equal in weak scaling).
+    # one-rank row (compute: the expected slower of two) replace the cores' ratio (the
+    # batches are equal in weak scaling).
     sharing = next(obj for obj in objects if obj.get("benchmark") == "host_sharing")
     assert (sharing["processes"], sharing["batch_size"], sharing["threads_per_rank"]) == (2, BATCH, threads)
-    measured = {2: (sharing["compute_s"] / one_rank["compute_s"], sharing["optimizer_s"] / one_rank["optimizer_s"])}
+    assert sharing["compute_s"] <= sharing["slowest_compute_s"]
+    measured = {2: (sharing["slowest_compute_s"] / one_rank["compute_s"],
+                    sharing["optimizer_s"] / one_rank["optimizer_s"])}
     for ranks in (2, 4):
         slowdown = max(1.0, ranks * threads / cores)
         slowdown, memory = measured.get(ranks, (slowdown, slowdown))
@@ -235,6 +238,13 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
             else:
                 assert row.comm_exposed_s == pytest.approx(comm + copies, rel=1e-9), (ranks, strategy)
                 assert row.step_time_s == pytest.approx(row.compute_s + row.optimizer_s + comm + copies, rel=1e-9)
+
+
+def test_expected_slowest_of_several_draws():
+    assert results.expected_slowest([1.0, 2.0, 3.0, 4.0], 1) == pytest.approx(2.5)  # one draw: the mean
+    assert results.expected_slowest([1.0, 2.0, 3.0, 4.0], 2) == pytest.approx(50 / 16)  # sum of x P(max = x)
+    assert results.expected_slowest([4.0, 1.0, 3.0, 2.0], 200) == pytest.approx(4.0)
+    assert results.expected_slowest([0.3] * 5, 4) == pytest.approx(0.3)
 
 
 def _communication_off_worker(data: str) -> dict:

@@ -42,6 +42,7 @@ from distlm.plan.model import (
     collective_slowdown,
     collective_time,
     ddp_communication,
+    executed_flops_per_token,
     gradient_allreduce_time,
     hierarchical_allreduce_time,
     load_cluster,
@@ -259,6 +260,51 @@ def test_calibration_recovers_alpha_beta_and_achieved_flops(tmp_path):
     assert result.intra.latency_s == pytest.approx(latency, rel=1e-6)
     assert result.intra.bandwidth_Bps == pytest.approx(bandwidth, rel=1e-6)
     assert result.achieved_flops["fp32"] == pytest.approx(rate, rel=1e-9)
+
+
+def test_calibration_reads_host_sharing_and_dtensor_dispatch(tmp_path):
+    """A one-rank row and a row of 4 one-rank updates at once (half the batch; the slowest
+    of 4 at 1/2.5 of the rate, the mean at 1/2.2; the optimizer 2.4x slower): the planner's
+    4-rank slowdowns are 2.5 and 2.4, not the cores' ratio; the DTensor overhead is spread
+    over llama_tiny's 39 tensors."""
+    rate, tokens, batch = 40e9, 64, 4
+    shape = model_shape("llama_tiny")
+
+    def compute_seconds(samples: int, flops_rate: float) -> float:
+        return samples * tokens * executed_flops_per_token(shape, tokens) / flops_rate
+
+    one_rank = {
+        "world_size": 1, "strategy": "ddp", "tokens_per_s": 1.0, "step_time_s": 1.0,
+        "compute_s": compute_seconds(batch, rate), "comm_exposed_s": 0.0, "optimizer_s": 0.01,
+        "dtensor_optimizer_overhead_s": 0.0039, "memory_bytes_per_rank": 0, "mfu": 0.1, "efficiency": 1.0,
+        "arch": "llama_tiny", "batch_size": batch, "tokens_per_sample": tokens, "precision": "fp32",
+        "threads_per_rank": 1, "host_cores": 2,
+    }
+    sharing = {
+        "benchmark": "host_sharing", "processes": 4, "arch": "llama_tiny", "tokens_per_sample": tokens,
+        "batch_size": batch // 2, "update_freq": 1, "precision": "fp32", "threads_per_rank": 1,
+        "compute_s": compute_seconds(batch // 2, rate / 2.2),
+        "slowest_compute_s": compute_seconds(batch // 2, rate / 2.5), "optimizer_s": 0.024,
+    }
+    path = tmp_path / "calibration.jsonl"
+    path.write_text(json.dumps(one_rank) + "\n" + json.dumps(sharing) + "\n")
+    result = calibrate(read_measurements(path))
+    assert result.host_sharing[4] == pytest.approx((2.5, 2.4), rel=1e-9)
+    assert result.dtensor_step_per_tensor_s == pytest.approx(0.0039 / 39)
+    cluster = result.apply(load_cluster("local"))
+    workload = Workload(shape=shape, strategy="fsdp", tokens_per_sample=tokens, batch_size=batch)
+    four, two = (project(workload, cluster, Layout(nodes=1, ranks_per_node=r)) for r in (4, 2))
+    assert four.compute_slowdown == pytest.approx(2.5) and two.compute_slowdown == 1.0  # 2 ranks: not measured
+    assert four.compute_s == pytest.approx(2.5 * one_rank["compute_s"])
+
+    probe = {"benchmark": "allreduce", "world_size": 2, "ranks_per_node": 2, "collectives": [
+        {"size_bytes": 65536, "method": "plain", "median_s": 1e-3}, {"size_bytes": 262144, "method": "plain", "median_s": 2e-3}]}
+    path.write_text(json.dumps(probe) + "\n" + json.dumps(sharing) + "\n")
+    with pytest.raises(UsageError, match="one-rank scaling rows"):
+        calibrate(read_measurements(path))
+    path.write_text(json.dumps(one_rank) + "\n" + json.dumps({**sharing, "threads_per_rank": 2}) + "\n")
+    with pytest.raises(UsageError, match="threads per rank"):
+        calibrate(read_measurements(path))
 
 
 def test_peak_flops_table_and_cpu_probe():

@@ -216,9 +216,18 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return reports
 
 
+def expected_slowest(samples: list[float], count: int) -> float:
+    """The expected largest of ``count`` independent draws from ``samples``' distribution:
+    over the sorted samples x_1..x_m, the sum of x_i ((i/m)^count - ((i-1)/m)^count)."""
+    ordered = sorted(samples)
+    m = len(ordered)
+    return sum(x * ((i / m) ** count - ((i - 1) / m) ** count) for i, x in enumerate(ordered, 1))
+
+
 def host_sharing_rows(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One object per count of concurrent one-rank launches (``scaling.run_concurrent``):
-    the medians over repetitions of their mean compute and optimizer seconds."""
+    the medians over repetitions of their mean compute, expected slowest compute and mean
+    optimizer seconds."""
     grouped: dict[int, list[dict[str, Any]]] = {}
     for launch in launches:
         grouped.setdefault(launch["concurrent_processes"], []).append(launch)
@@ -238,6 +247,7 @@ def host_sharing_rows(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "device": group[-1]["device"],
             "repeats": len(group),
             "compute_s": statistics.median(launch["compute_s"] for launch in group),
+            "slowest_compute_s": statistics.median(launch["slowest_compute_s"] for launch in group),
             "optimizer_s": statistics.median(launch["optimizer_s"] for launch in group),
         })
     return rows

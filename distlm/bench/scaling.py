@@ -342,7 +342,8 @@ def run_launches(
                 started = time.perf_counter()
                 launch = run_concurrent(spec, world_size, threads, raw / f"rep{repeat + 1}_alone{world_size}", label)
                 launches.append(launch)
-                _say(f"[{label}] compute {launch['compute_s']:.4f} s, optimizer {launch['optimizer_s']:.4f} s "
+                _say(f"[{label}] compute {launch['compute_s']:.4f} s (slowest of {world_size}: "
+                     f"{launch['slowest_compute_s']:.4f} s), optimizer {launch['optimizer_s']:.4f} s "
                      f"({time.perf_counter() - started:.0f} s)")
     return launches
 
@@ -358,7 +359,9 @@ def host_sharing_spec(args: argparse.Namespace, world_size: int, ranks: list[int
 def run_concurrent(spec: LaunchSpec, processes: int, threads: int, stem: Path, label: str) -> dict[str, Any]:
     """``processes`` one-rank workers at once, each a plain ``python -m distlm.bench.worker``
     timing while all the others do (``measure.HostSharing``). Returns the launches' mean
-    compute and optimizer seconds (each launch's median over its updates)."""
+    compute and optimizer seconds (each launch's median over its updates) and the expected
+    slowest compute of ``processes`` updates drawn from all of theirs: a synchronised update
+    of that many ranks waits for its slowest."""
     meeting = stem.with_name(stem.name + ".rendezvous")
     shutil.rmtree(meeting, ignore_errors=True)
     meeting.mkdir(parents=True)
@@ -375,10 +378,13 @@ def run_concurrent(spec: LaunchSpec, processes: int, threads: int, stem: Path, l
             worker.process.terminate()
         raise
     summaries = [results.launch_summary(output["strategies"][0]) for output in outputs]
+    computes = [step - optimizer for output in outputs
+                for step, optimizer in zip(output["strategies"][0]["step_s"], output["strategies"][0]["optimizer_s"])]
     return {
         "spec": asdict(spec), "concurrent_processes": processes, "threads_per_rank": threads,
         "device": outputs[0]["device"], "vocab_size": outputs[0]["strategies"][0]["vocab_size"],
         "compute_s": statistics.fmean(s["step"] - s["optimizer"] for s in summaries),
+        "slowest_compute_s": results.expected_slowest(computes, processes),
         "optimizer_s": statistics.fmean(s["optimizer"] for s in summaries),
     }
 

@@ -17,8 +17,9 @@ printed one after another:
   threads a rank computed with on how many cores;
 * the suite's host-sharing rows (``"benchmark": "host_sharing"``): the one-rank update run by
   ``processes`` independent launches at once on the host, nothing communicated; against
-  the one-rank rows they give how much slower compute and the optimizer step run when
-  that many ranks share the host's cores, caches and memory.
+  the one-rank rows they give how much slower compute (the expected slowest of that many,
+  as a synchronised update waits for it) and the optimizer step run when that many ranks
+  share the host's cores, caches and memory.
 
 Each collective's fit is least squares of ``time = alpha + bytes x beta`` in relative error
 (every size weighs alike, from 64 KiB to 256 MiB), per collective and layout; the planner
@@ -306,7 +307,8 @@ def _fit_host_sharing(
 ) -> None:
     """Per count of concurrent one-rank updates, their compute and optimizer slowdowns
     against the one-rank rows: achieved FLOP/s (the batches may differ) and optimizer
-    seconds (the same parameters)."""
+    seconds (the same parameters). Compute is the expected slowest of that many updates
+    (``slowest_compute_s``, where given): ranks that synchronise every update wait for it."""
     if not rows:
         return
     if not result.achieved_flops or result.memory_bandwidth_Bps is None:
@@ -321,9 +323,11 @@ def _fit_host_sharing(
         shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
         tokens, samples = int(row["tokens_per_sample"]), int(row["batch_size"]) * int(row.get("update_freq", 1))
         precision = dtype_name(row.get("precision", "fp32"))
-        if precision not in result.achieved_flops or not (_positive(row["compute_s"]) and _positive(row["optimizer_s"])):
+        if precision not in result.achieved_flops or not (
+                _positive(row.get("slowest_compute_s", row["compute_s"])) and _positive(row["optimizer_s"])):
             continue
-        achieved = samples * tokens * executed_flops_per_token(shape, tokens) / row["compute_s"]
+        compute = row.get("slowest_compute_s", row["compute_s"])
+        achieved = samples * tokens * executed_flops_per_token(shape, tokens) / compute
         alone_optimizer = count_parameters(shape) * ADAM_BYTES_PER_PARAM / result.memory_bandwidth_Bps
         factors.setdefault(int(row["processes"]), []).append(
             (result.achieved_flops[precision] / achieved, row["optimizer_s"] / alone_optimizer)
