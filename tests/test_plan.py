@@ -298,7 +298,9 @@ def test_calibration_reads_host_sharing_and_dtensor_dispatch(tmp_path):
     assert four.compute_s == pytest.approx(2.5 * one_rank["compute_s"])
 
     probe = {"benchmark": "allreduce", "world_size": 2, "ranks_per_node": 2, "collectives": [
-        {"size_bytes": 65536, "method": "plain", "median_s": 1e-3}, {"size_bytes": 262144, "method": "plain", "median_s": 2e-3}]}
+        {"size_bytes": 65536, "method": "plain", "median_s": 1e-3},
+        {"size_bytes": 262144, "method": "plain", "median_s": 2e-3},
+    ]}
     path.write_text(json.dumps(probe) + "\n" + json.dumps(sharing) + "\n")
     with pytest.raises(UsageError, match="one-rank scaling rows"):
         calibrate(read_measurements(path))

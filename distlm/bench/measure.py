@@ -305,10 +305,13 @@ def time_optimizer_on_dtensors(trainer: Any, rounds: int = 9) -> tuple[list[floa
     Sharding over more ranks shrinks the bytes the step touches, not DTensor's dispatch
     for every tensor of every foreach call: the difference is the planner's per-tensor
     cost of a sharded optimizer step. Without a process group (a one-rank launch) a
-    one-rank gloo group is made for the mesh and removed afterwards."""
+    one-rank group of the backend's kind is made for the mesh and removed afterwards.
+    torch-xla runs neither FSDP2 nor DTensor tensor parallel: nothing to time there."""
+    if trainer.ctx.backend.dist_backend == "xla":
+        return [], []
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(trainer.ctx.backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = DeviceMesh(trainer.ctx.device.type, [dist.get_rank()])
         settings = AdamWSettings.from_config(trainer.config.optim)

@@ -8,16 +8,18 @@ On one machine the suite starts torchrun itself, once per world size and repetit
 with the same number of threads per rank at every world size. The whole list of world
 sizes is repeated ``--repeats`` times, in an order rotated every repetition, and each
 point is the median of its repetitions: other work on a shared machine then slows all
-points alike instead of one. Inside a launch (torchrun, srun, mpiexec) it measures that
-launch's world size in place and merges the points into the rows already in ``--out``,
-so a sweep over several allocations collects in one directory.
+points alike instead of one. After each world size N > 1 it also runs N one-rank
+launches at once (``run_concurrent``): nothing communicates, and they measure what
+sharing the host costs compute and the optimizer step. Inside a launch (torchrun, srun,
+mpiexec) it measures that launch's world size in place and merges the points into the
+rows already in ``--out``, so a sweep over several allocations collects in one directory.
 
 ``--out`` receives results.jsonl (one object per point; the fields are documented in
 benchmarks/README.md), results.md, tokens_per_s.png, efficiency.png, step_breakdown.png,
 allreduce.jsonl (the collective probe of each multi-rank layout: plain all-reduce,
 all-gather and reduce-scatter, each alone), calibration.jsonl (what ``python -m distlm.plan
---calibrate`` should fit to: the one-rank rows and the collective probes, no multi-rank
-update) and raw/ (every launch's spec, raw timings and output).
+--calibrate`` should fit to: the one-rank rows, the host-sharing rows and the collective
+probes, no multi-rank update) and raw/ (every launch's spec, raw timings and output).
 """
 
 from __future__ import annotations
@@ -348,7 +350,9 @@ def run_launches(
     return launches
 
 
-def host_sharing_spec(args: argparse.Namespace, world_size: int, ranks: list[int], planned: list[Launch]) -> LaunchSpec:
+def host_sharing_spec(
+    args: argparse.Namespace, world_size: int, ranks: list[int], planned: list[Launch]
+) -> LaunchSpec:
     """A one-rank launch with ``world_size``'s batch per replica, to run ``world_size`` times at once."""
     first = next(launch for launch in planned if launch.tp_degree == 1)
     spec = launch_spec(args, Launch(1, first.comm_hook, 1, first.strategies[:1]), list(first.strategies[:1]), ranks)
@@ -406,6 +410,8 @@ def run_torchrun(spec: LaunchSpec, world_size: int, threads: int, stem: Path, la
 
 @dataclass
 class _Worker:
+    """A started worker launch, its output being copied by ``reader``."""
+
     process: subprocess.Popen
     reader: threading.Thread
     out_path: Path
