@@ -320,7 +320,8 @@ def time_optimizer_on_dtensors(trainer: Any, rounds: int = 9) -> tuple[list[floa
         source = list(unwrap(trainer.model).parameters())
         dtype = source[0].dtype
 
-        def copies(on_dtensors: bool) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        def optimizer_part(on_dtensors: bool) -> Callable[[], None]:
+            """The optimizer part over fresh copies of the parameters, as plain tensors or DTensors."""
             params = []
             for original in source:
                 data, grad = original.detach().clone(), torch.full_like(original, 1e-3)
@@ -329,21 +330,18 @@ def time_optimizer_on_dtensors(trainer: Any, rounds: int = 9) -> tuple[list[floa
                 param = nn.Parameter(data)
                 param.grad = grad
                 params.append(param)
-            return params, build_optimizer(params, settings, dtype)
+            optimizer = build_optimizer(params, settings, dtype)
 
-        contenders = {"plain": copies(False), "dtensor": copies(True)}
-        seconds: dict[str, list[float]] = {name: [] for name in contenders}
-        for index in range(rounds + 1):
-            for name in rotated(list(contenders), index):
-                params, optimizer = contenders[name]
-                gc.collect()
-                start = time.perf_counter()
+            def call() -> None:
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
                 optimizer.step()
                 float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 trainer.ctx.backend.synchronize()
-                if index > 0:
-                    seconds[name].append(time.perf_counter() - start)
+
+            return call
+
+        contenders = {"plain": optimizer_part(False), "dtensor": optimizer_part(True)}
+        seconds = time_interleaved(contenders, rounds, gc.collect)
         return seconds["plain"], seconds["dtensor"]
     finally:
         if own_group:
@@ -377,15 +375,7 @@ def probe_collectives(
             "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
         }
-        for call in calls.values():
-            call()
-        seconds: dict[str, list[float]] = {method: [] for method in calls}
-        for index in range(rounds):
-            for method in rotated(list(calls), index):
-                dist.barrier()
-                start = time.perf_counter()
-                calls[method]()
-                seconds[method].append(time.perf_counter() - start)
+        seconds = time_interleaved(calls, rounds, dist.barrier)
         times = torch.tensor([seconds[method] for method in calls], dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         for method, slowest in zip(calls, times.tolist()):
@@ -397,6 +387,23 @@ def probe_collectives(
         "torch": torch.__version__,
         "collectives": rows,
     }
+
+
+def time_interleaved(
+    calls: dict[str, Callable[[], object]], rounds: int, before_each: Callable[[], object]
+) -> dict[str, list[float]]:
+    """Seconds of each call per round, ``rounds`` rounds after an untimed one, the calls of
+    a round in an order rotated every round, ``before_each`` (a barrier, a collection) run
+    untimed before every call."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for index in range(rounds + 1):
+        for name in rotated(list(calls), index):
+            before_each()
+            start = time.perf_counter()
+            calls[name]()
+            if index > 0:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
 def rotated(items: list[Any], shift: int) -> list[Any]:

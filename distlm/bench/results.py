@@ -83,7 +83,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
                 stands_for = [point]
             for strategy, comm_hook, tp_degree in stands_for:
                 samples.setdefault((strategy, comm_hook, tp_degree, times["world_size"]), []).append(
-                    {"launch": launch, "times": times, "comm_hook": comm_hook}
+                    {"launch": launch, "times": times}
                 )
 
     rows = []

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from distlm.errors import UsageError
-from distlm.plan.flops import count_parameter_tensors, count_parameters, dtype_name, model_shape
+from distlm.plan.flops import ModelShape, count_parameter_tensors, count_parameters, dtype_name, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
 
 SCALING_FIELDS = ("world_size", "strategy", "tokens_per_s", "step_time_s", "compute_s")
@@ -253,14 +253,10 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
         if isinstance(row.get("host_cores"), int) and row["host_cores"] > 0:
             cores.add(row["host_cores"])
         try:
-            shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
-            tokens = int(row["tokens_per_sample"])
-            samples = int(row["batch_size"]) * int(row.get("update_freq", 1))
-            precision = dtype_name(row.get("precision", "fp32"))
+            shape, flops, precision = _update_work(row, vocab_size)
         except KeyError as exc:
             raise UsageError(f"--calibrate: a one-rank scaling row lacks {exc.args[0]}: {row}") from None
         if _positive(row.get("compute_s")):
-            flops = samples * tokens * executed_flops_per_token(shape, tokens)
             rates.setdefault(precision, []).append(flops / row["compute_s"])
         if _positive(row.get("optimizer_s")):
             bandwidths.append(count_parameters(shape) * ADAM_BYTES_PER_PARAM / row["optimizer_s"])
@@ -302,6 +298,14 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
     return result
 
 
+def _update_work(row: dict[str, Any], vocab_size: int | None) -> tuple[ModelShape, float, str]:
+    """The model shape, FLOPs run per update and precision of a scaling or host-sharing row."""
+    shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
+    tokens = int(row["tokens_per_sample"])
+    samples = int(row["batch_size"]) * int(row.get("update_freq", 1))
+    return shape, samples * tokens * executed_flops_per_token(shape, tokens), dtype_name(row.get("precision", "fp32"))
+
+
 def _fit_host_sharing(
     rows: list[dict[str, Any]], result: Calibration, vocab_size: int | None, one_rank_threads: set[int]
 ) -> None:
@@ -320,14 +324,11 @@ def _fit_host_sharing(
                 f"--calibrate: a host-sharing row ran {row.get('threads_per_rank')} threads per rank, the one-rank "
                 f"rows {sorted(one_rank_threads)}; calibrate from rows of one setting"
             )
-        shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
-        tokens, samples = int(row["tokens_per_sample"]), int(row["batch_size"]) * int(row.get("update_freq", 1))
-        precision = dtype_name(row.get("precision", "fp32"))
-        if precision not in result.achieved_flops or not (
-                _positive(row.get("slowest_compute_s", row["compute_s"])) and _positive(row["optimizer_s"])):
-            continue
+        shape, flops, precision = _update_work(row, vocab_size)
         compute = row.get("slowest_compute_s", row["compute_s"])
-        achieved = samples * tokens * executed_flops_per_token(shape, tokens) / compute
+        if precision not in result.achieved_flops or not (_positive(compute) and _positive(row["optimizer_s"])):
+            continue
+        achieved = flops / compute
         alone_optimizer = count_parameters(shape) * ADAM_BYTES_PER_PARAM / result.memory_bandwidth_Bps
         factors.setdefault(int(row["processes"]), []).append(
             (result.achieved_flops[precision] / achieved, row["optimizer_s"] / alone_optimizer)

@@ -390,17 +390,22 @@ def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
     busy = cpu_busy_threads(layout, cluster)
     if busy is None:
         return 1.0
-    measured = cluster.measured_host_sharing.get(host_ranks(layout, cluster))
+    measured = measured_host_sharing(layout, cluster)
     return measured[0] if measured else max(1.0, busy / cluster.cores_per_node)
 
 
 def memory_slowdown(layout: Layout, cluster: Cluster) -> float:
     """The same for the memory-bound work (optimizer step, FSDP's copies): as measured for
     the optimizer step, else ``compute_slowdown``."""
-    measured = cluster.measured_host_sharing.get(host_ranks(layout, cluster))
-    if cpu_busy_threads(layout, cluster) is not None and measured:
-        return measured[1]
-    return compute_slowdown(layout, cluster)
+    measured = measured_host_sharing(layout, cluster)
+    return measured[1] if measured else compute_slowdown(layout, cluster)
+
+
+def measured_host_sharing(layout: Layout, cluster: Cluster) -> tuple[float, float] | None:
+    """``(compute, optimizer)`` slowdowns calibrated for this many ranks on a CPU host; None without."""
+    if cpu_busy_threads(layout, cluster) is None:
+        return None
+    return cluster.measured_host_sharing.get(host_ranks(layout, cluster))
 
 
 def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
