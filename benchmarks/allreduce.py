@@ -43,7 +43,7 @@ import torch.distributed as dist
 from distlm.backends.cpu import CpuBackend
 from distlm.env import ClusterEnv, resolve_master_via_mpi
 from distlm.parallel import comm_hooks
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 
 KIB, MIB = 1024, 1024 * 1024
 FULL_SIZES = [64 * KIB * 4**i for i in range(7)]  # 64 KiB ... 256 MiB

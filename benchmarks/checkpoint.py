@@ -47,7 +47,7 @@ from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.memory import memory_report
 from distlm.mesh import ParallelDims
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 from distlm.trainer import Trainer
 
 STRATEGIES = {

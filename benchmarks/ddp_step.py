@@ -26,13 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from distlm.builder import parallel_options
 from distlm.config import parse_args
+from distlm.distributed import parallel_options
 from distlm.models import build_model
 from distlm.optim import AdamWSettings
 from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 from distlm.trainer import Trainer
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from distlm.config import parse_args
 from distlm.mesh import ParallelDims
 from distlm.trainer import Trainer
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 
 
 def strategies(world_size: int) -> dict[str, list[str]]:

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -31,11 +31,7 @@ from distlm.mesh import ParallelDims
 from distlm.models import ARCHS
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.registry import FAMILIES
-from distlm.parallel.api import ParallelOptions
 from distlm.parallel.names import single_device_name
-
-if TYPE_CHECKING:  # only annotates: distributed.py validates with this module's specs
-    from distlm.distributed import DistContext
 
 logger = logging.getLogger("distlm")
 
@@ -262,26 +258,11 @@ def training_data(config: TrainConfig, task: str, symbols: list[str] | None) -> 
     )
 
 
-def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
-    """The command line's distributed settings as the plain values ``parallelize`` takes."""
-    settings = config.distributed
-    return ParallelOptions(
-        precision=config.precision_mode, sequence_parallel=settings.sequence_parallel,
-        activation_checkpointing=settings.activation_checkpointing, bucket_cap_mb=settings.bucket_cap_mb,
-        comm_hook=settings.comm_hook, comm_transport=settings.comm_transport,
-        double_buffering=settings.double_buffering, ranks_per_node=settings.ranks_per_node,
-        cpu_offload=settings.cpu_offload,
-        node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
-        compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
-        foreach_clip=ctx.backend.foreach_clip,
-    )
-
-
-def log_start(ctx: DistContext, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int) -> None:
+def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int) -> None:
     """Rank 0 says what it found before the first update, which may take minutes: the
     data, the model's size and what each rank holds of it, and where it starts from
     (``fresh``: the spec of a run not resumed from a checkpoint)."""
-    if not ctx.is_main:
+    if not is_main:
         return
     dictionary = getattr(data, "dictionary", None)
     logger.info("data: %d training samples%s", len(data),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, get_type_hints
 
 from distlm.choices import CHOICES
-from distlm.errors import UsageError
+from distlm.errors import OneLineErrorParser, UsageError
 
 
 @dataclass
@@ -373,28 +373,6 @@ def _all_field_docs() -> dict[str, dict[str, str]]:
             ):
                 fields[item.target.id] = nxt.value.value
     return docs
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; distlm promises one line and exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-
-def whole_number_list(flag: str) -> Callable[[str], list[int]]:
-    """An argparse ``type`` for ``flag``'s comma-separated whole numbers (``1,2,4``)."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(part) for part in text.split(",") if part.strip()]
-        except ValueError:
-            raise UsageError(f"{flag} takes comma-separated whole numbers, e.g. 1,2,4; got {text!r}") from None
-        if not values:
-            raise UsageError(f"{flag} needs at least one number")
-        return values
-
-    return parse
 
 
 def _base_type(hint: Any) -> Any:

@@ -22,11 +22,15 @@ import torch.distributed as dist
 
 from distlm.backends import Backend, get_backend
 from distlm.backends.base import uses_agent_store
+from distlm.builder import ModelSpec
 from distlm.compile import use_compile_cache
+from distlm.config import TrainConfig
 from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
+from distlm.errors import first_line
 from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
-from distlm.validation import validate
+from distlm.parallel.api import ParallelOptions
+from distlm.validation import validate_run
 
 logger = logging.getLogger("distlm")
 
@@ -46,6 +50,8 @@ class DistContext:
     timeout: datetime.timedelta
     heartbeat: Heartbeat | None = None
     """Side channel naming the ranks a hung collective waits for; None in a single process."""
+    spec: ModelSpec | None = None
+    """The ``--arch``/``--init-from-hf`` model validation checked; None for a user's model."""
 
     @property
     def rank(self) -> int:
@@ -126,7 +132,7 @@ class DistContext:
         except CollectiveFailure:
             raise  # named already, by the same context around a part of this update (a save)
         except RuntimeError as err:
-            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            cause = first_line(err)
             transport = isinstance(err, dist.DistError) or any(
                 word in cause.lower() for word in ("timed out", "timeout", "connection", "gloo", "nccl")
             )
@@ -142,16 +148,9 @@ class DistContext:
             self.heartbeat.completed = max(self.heartbeat.completed, update)
 
     def close(self) -> None:
-        """Let gloo's worker thread release the last collective before the process may exit.
-
-        gloo's worker thread drops its reference to a finished collective after ``wait()``
-        has returned, and releasing tensors created in Python takes the GIL. If the
-        interpreter is already shutting down, that thread is killed inside a C++
-        destructor and the process aborts ("terminate called without an active
-        exception"). A barrier blocks with the GIL released until every rank arrives,
-        which makes that window unlikely; ``distlm.train.exit_without_teardown`` closes
-        it for the command line.
-        """
+        """Let gloo's worker thread release the last collective before the process may exit:
+        a barrier blocks with the GIL released until every rank arrives (the abort it avoids
+        is described at ``distlm.errors.exit_without_teardown``)."""
         self.barrier()
 
 
@@ -173,7 +172,7 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     if env.launcher == "mpi" and env.is_distributed:
         env = resolve_master_via_mpi(env)  # mpiexec exports no master address
     backend = get_backend(settings.device)
-    dims = validate(config, env, backend, model)
+    dims, spec = validate_run(config, env, backend, model)
     if config.compile.compile_cache:
         # Before the device runtime starts: XLA's persistent cache and Neuron's compiler
         # read their variables once, when it does.
@@ -189,11 +188,27 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
         heartbeat = _start_heartbeat(env, timeout)
     # After the process group: a PJRT device learns its place in the job from it.
     device = backend.device(env)
-    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat)
+    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
+                          spec=spec)
     if context.is_main:
         logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
                     env.describe(), device, dims.dp, dims.tp, dims.strategy)
     return context
+
+
+def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
+    """The command line's distributed settings as the plain values ``parallelize`` takes."""
+    settings = config.distributed
+    return ParallelOptions(
+        precision=config.precision_mode, sequence_parallel=settings.sequence_parallel,
+        activation_checkpointing=settings.activation_checkpointing, bucket_cap_mb=settings.bucket_cap_mb,
+        comm_hook=settings.comm_hook, comm_transport=settings.comm_transport,
+        double_buffering=settings.double_buffering, ranks_per_node=settings.ranks_per_node,
+        cpu_offload=settings.cpu_offload,
+        node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
+        compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
+        foreach_clip=ctx.backend.foreach_clip,
+    )
 
 
 def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat | None:

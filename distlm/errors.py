@@ -9,15 +9,47 @@ traceback for their own mistakes.
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import os
 import sys
 import time
+from typing import Callable, NoReturn
 
 
 class UsageError(Exception):
     """Bad input: a one-line message naming the setting or file and how to fix it."""
 
     exit_code = 2
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when it has none: torch's
+    errors carry C++ stack traces after the line that says what happened."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus a message; distlm promises one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def whole_number_list(flag: str) -> Callable[[str], list[int]]:
+    """An argparse ``type`` for ``flag``'s comma-separated whole numbers (``1,2,4``)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise UsageError(f"{flag} takes comma-separated whole numbers, e.g. 1,2,4; got {text!r}") from None
+        if not values:
+            raise UsageError(f"{flag} needs at least one number")
+        return values
+
+    return parse
 
 
 # How long a rank other than 0 waits before it reports a usage error itself. Bad input is
@@ -47,3 +79,21 @@ def report_usage_error(prefix: str, exc: UsageError, rank: int) -> int:
         time.sleep(SECOND_REPORTER_DELAY_SEC)
     print(f"{prefix}{'' if rank == 0 else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
     return UsageError.exit_code
+
+
+def exit_without_teardown(status: int) -> NoReturn:
+    """End the process with ``status``, skipping the interpreter's own teardown.
+
+    A gloo worker thread that still releases a finished collective's tensors asks for the
+    GIL while the interpreter finalises and is killed inside a C++ destructor, so the
+    process aborts ("terminate called without an active exception") after a run that
+    finished. The atexit handlers still run, then MPI_Finalize where mpi4py started MPI
+    (mpi4py finalises from the C-level teardown this skips).
+    """
+    atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.checkpoint import CheckpointReader
-from distlm.config import OneLineErrorParser
-from distlm.errors import UsageError
+from distlm.errors import OneLineErrorParser, UsageError
 from distlm.hf_export import export_hf
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 

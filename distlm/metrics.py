@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from distlm.backends.hardware import device_peak_flops, measure_cpu_matmul_flops
 from distlm.errors import UsageError
-from distlm.plan.flops import device_peak_flops, flops_per_token, measure_cpu_matmul_flops, model_flops_utilization
+from distlm.plan.flops import flops_per_token, model_flops_utilization
 
 LN2 = math.log(2)
 logger = logging.getLogger("distlm")
@@ -110,9 +111,7 @@ def mfu_inputs(
     except (TypeError, UsageError):
         per_token = None
     try:
-        # On CPU a short probe: the log's MFU needs the order of magnitude, not a benchmark.
-        peak = measure_cpu_matmul_flops(dtype, size=256, min_seconds=0.2) if device_type == "cpu" else \
-            device_peak_flops(device_type, dtype)
+        peak = measure_cpu_matmul_flops(dtype) if device_type == "cpu" else device_peak_flops(device_type, dtype)
     except UsageError as exc:
         peak = None
         if device_type not in _REPORTED_WITHOUT_PEAK and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -15,6 +15,61 @@ from typing import Iterator
 
 import torch
 
+from distlm.errors import UsageError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The floating-point types distlm computes and communicates in, by their short names."""
+
+_DTYPE_SPELLINGS = {
+    "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    **{str(dtype): name for name, dtype in DTYPES.items()}, **{name: name for name in DTYPES},
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """``fp32``, ``bf16`` or ``fp16`` for a torch dtype or one of their usual spellings."""
+    key = str(dtype).lower()
+    if key not in _DTYPE_SPELLINGS:
+        raise UsageError(f"precision {dtype} is unknown; choose one of {', '.join(DTYPES)}")
+    return _DTYPE_SPELLINGS[key]
+
+
+@dataclass(frozen=True)
+class ModeDtypes:
+    """The dtypes of one precision mode."""
+
+    param: torch.dtype
+    """The weights (and the optimizer's view of them)."""
+    autocast: torch.dtype | None
+    """Forward and backward run under autocast to this type; None: no autocast. FSDP
+    casts its unsharded parameters to it instead."""
+    fsdp_reduce: torch.dtype | None
+    """FSDP reduce-scatters gradients in this type; None: the parameters' type. Always
+    fp32 where a half type is involved: a summed fp16 gradient could overflow."""
+    wire: torch.dtype
+    """DDP's gradients travel in this type unless a comm hook compresses them."""
+
+    @property
+    def compute(self) -> str:
+        """The matmuls' type, the one whose peak FLOP/s an MFU divides by."""
+        return dtype_name(self.autocast or self.param)
+
+
+MODE_DTYPES: dict[str, ModeDtypes] = {
+    "fp32": ModeDtypes(param=torch.float32, autocast=None, fsdp_reduce=None, wire=torch.float32),
+    "bf16": ModeDtypes(param=torch.float32, autocast=torch.bfloat16, fsdp_reduce=torch.float32, wire=torch.float32),
+    "fp16": ModeDtypes(param=torch.float32, autocast=torch.float16, fsdp_reduce=torch.float32, wire=torch.float32),
+    "memory_efficient_fp16": ModeDtypes(
+        param=torch.float16, autocast=None, fsdp_reduce=torch.float32, wire=torch.float16
+    ),
+}
+"""Precision mode (each of ``choices.PRECISIONS``) -> its dtypes; everything else derives from it."""
+
+
+def uses_loss_scaling(mode: str) -> bool:
+    """fp16 arithmetic underflows small gradients: the modes that compute in fp16 scale the loss."""
+    return MODE_DTYPES[mode].compute == "fp16"
+
 
 class DynamicLossScaler:
     """Halve the scale on overflow; double it after ``scale_window`` clean updates.
@@ -74,7 +129,8 @@ class Precision:
     @classmethod
     def from_mode(cls, mode: str, init_scale: float = 128.0, scale_window: int = 256, min_scale: float = 1e-4,
                   max_skips: int | None = None):
-        scaler = DynamicLossScaler(init_scale, scale_window, min_scale, max_skips=max_skips) if "fp16" in mode else None
+        scaler = DynamicLossScaler(init_scale, scale_window, min_scale, max_skips=max_skips) \
+            if uses_loss_scaling(mode) else None
         return cls(mode, scaler)
 
     @classmethod
@@ -86,11 +142,11 @@ class Precision:
     @property
     def param_dtype(self) -> torch.dtype:
         """fp16 weights only for memory-efficient fp16; every other mode keeps fp32 weights."""
-        return torch.float16 if self.mode == "memory_efficient_fp16" else torch.float32
+        return MODE_DTYPES[self.mode].param
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mode)
+        return MODE_DTYPES[self.mode].autocast
 
     @property
     def loss_scale(self) -> float:

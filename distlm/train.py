@@ -6,17 +6,15 @@ distributed starts where possible; everything else is the Trainer's.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from distlm.backends.base import DistributedInitError
 from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure, shutdown
 from distlm.divergence import DivergenceError
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.parallel.replicas import ReplicaDrift
 from distlm.trainer import Trainer
 
@@ -53,26 +51,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run() -> None:
     """``python -m distlm.train`` and the ``distlm-train`` command."""
     exit_without_teardown(main())
-
-
-def exit_without_teardown(status: int) -> NoReturn:
-    """End the process with ``status``, skipping the interpreter's own teardown.
-
-    gloo's worker threads can still be releasing the tensors of a finished collective,
-    which takes the GIL, and a thread that asks for the GIL while the interpreter
-    finalises is killed inside a C++ destructor: the process aborts ("terminate called
-    without an active exception") and the launcher reports a failed rank for a run that
-    finished. The atexit handlers still run (the MPI transport's thread, logging), and
-    then MPI_Finalize where mpi4py started MPI, since mpi4py finalises from the C-level
-    teardown this skips. Checkpoints are on disk already, fsynced and renamed into place.
-    """
-    atexit._run_exitfuncs()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from distlm.builder import build_model_for_run, log_start, parallel_options, resolve_model_spec, training_data
+from distlm.builder import build_model_for_run, log_start, resolve_model_spec, training_data
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import GlobalBatchSampler
 from distlm.data.batches import check_global_batch, to_device, update_batches
-from distlm.distributed import DistContext, init_distributed
+from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.memory import memory_report
@@ -54,7 +54,8 @@ class Trainer:
                  dist: DistContext | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
-        self.spec = resolve_model_spec(config.model) if model is None else None
+        # The spec validation checked; a context the caller made may have checked another config.
+        self.spec = None if model is not None else self.ctx.spec if dist is None else resolve_model_spec(config.model)
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
@@ -76,7 +77,7 @@ class Trainer:
         """Batches padded to this length, so compiled or traced graphs see one shape."""
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                               parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
-        log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed)
+        log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,

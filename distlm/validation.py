@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from distlm.backends import Backend
-from distlm.builder import resolve_model_spec
+from distlm.backends.hardware import measure_cpu_matmul_flops
+from distlm.builder import ModelSpec, resolve_model_spec
 from distlm.config import TrainConfig, check_settings
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import check_model
 from distlm.parallel.fsdp import check_cpu_offload
-from distlm.plan.flops import measure_cpu_matmul_flops
 from distlm.parallel.tp import validate_tp
 
 # Any vocabulary will do for shape checks: tensor parallel splits heads and feed-forward
@@ -35,6 +35,14 @@ def validate(
     ``model`` is the user's own model, checked against the model contract instead of
     ``--arch``.
     """
+    return validate_run(config, env, backend, model)[0]
+
+
+def validate_run(
+    config: TrainConfig, env: ClusterEnv, backend: Backend, model: torch.nn.Module | None = None
+) -> tuple[ParallelDims, ModelSpec | None]:
+    """``validate``, also returning the spec of ``--arch``/``--init-from-hf`` it checked (None
+    for the user's own model), so that a run resolves it once."""
     check_settings(config)
     settings = config.distributed
     dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, strategy=settings.strategy)
@@ -52,9 +60,8 @@ def validate(
     if model is not None:
         check_model(model)
         check_model_fits(model, config, dims)
-    else:
-        check_arch_fits(config, dims)
-    return dims
+        return dims, None
+    return dims, check_arch_fits(config, dims)
 
 
 # fp16 this many times slower than fp32 is refused: a run would take hours instead of minutes.
@@ -128,7 +135,9 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
         )
 
 
-def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> None:
-    """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous."""
+def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:
+    """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous;
+    returns the spec it checked."""
     spec = resolve_model_spec(config.model)
     check_model_fits(spec.build(spec.config.vocab_size or _CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)
+    return spec

@@ -44,7 +44,7 @@ def torch_view(env) -> dict:
     import torch.distributed as dist
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.builder import parallel_options
+    from distlm.distributed import parallel_options
     from distlm.config import parse_args
     from distlm.distributed import DistContext
     from distlm.mesh import ParallelDims
@@ -116,6 +116,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from distlm.train import exit_without_teardown
+    from distlm.errors import exit_without_teardown
 
     exit_without_teardown(main())

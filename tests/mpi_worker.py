@@ -271,6 +271,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from distlm.train import exit_without_teardown
+    from distlm.errors import exit_without_teardown
 
     exit_without_teardown(main())

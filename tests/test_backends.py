@@ -26,6 +26,7 @@ from distlm.backends.base import create_store
 from distlm.backends.cpu import CpuBackend
 from distlm.backends.cuda import CudaBackend, check_cuda_precision, supports_gpudirect_rdma
 from distlm.backends.efa import EFA_PRESET, EFA_RDMA_PRESET, apply_env_preset, configure_network, find_efa_devices
+from distlm.backends.hardware import host_cores, measure_cpu_matmul_flops
 from distlm.backends.neuron import NeuronBackend
 from distlm.backends.xla import XlaBackend
 from distlm.env import ClusterEnv, find_free_port, single_process_env
@@ -479,3 +480,32 @@ def test_missing_master_times_out_on_the_client_side():
     port = find_free_port("127.0.0.1")  # nobody listens here
     with pytest.raises(DistributedTimeout, match=f"rank 1 of world size 2 .*127.0.0.1:{port}"):
         CpuBackend().init_process_group(make_env(rank=1, world_size=2, port=port), datetime.timedelta(seconds=2))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads CPU times from /proc")
+def test_cpu_peak_probe_gives_the_same_figure_under_a_competing_load():
+    """The log's MFU divides by this probe: a busy machine at start-up must not lower it.
+    One spinning process per core of this host competes for every core while the probe
+    runs again; its figure stays within 20 % of the one measured before."""
+    probe = measure_cpu_matmul_flops.__wrapped__  # uncached: measure twice
+    quiet = probe("fp32", min_seconds=0.15, threads=1)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(host_cores())]
+    try:
+        time.sleep(0.1)  # the spinners are running before the probe starts
+        loaded = probe("fp32", min_seconds=0.15, threads=1)
+        # The load was real: the spinners held the cores for a good part of the probe.
+        assert sum(_cpu_seconds(spinner.pid) for spinner in spinners) > 0.15
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert 0.8 <= loaded / quiet <= 1.2, (quiet, loaded)
+    # A rank's peak is its cores' rate: twice the threads, twice the figure.
+    assert probe("fp32", min_seconds=0.05, threads=2) / probe("fp32", min_seconds=0.05, threads=1) == \
+        pytest.approx(2.0, rel=0.2)

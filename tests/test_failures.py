@@ -20,7 +20,8 @@ from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure
 from distlm.env import find_free_port
 from distlm.heartbeat import describe_missing
-from distlm.train import exit_without_teardown, main
+from distlm.errors import exit_without_teardown
+from distlm.train import main
 from distlm.trainer import Trainer
 from test_ddp import common_args
 

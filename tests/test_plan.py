@@ -18,6 +18,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import run_distributed
 from distlm import metrics
+from distlm.backends import hardware
+from distlm.backends.hardware import peak_flops
 from distlm.errors import UsageError
 from distlm.models import ARCHS, build_model
 from distlm.plan import __main__ as plan_cli
@@ -29,7 +31,6 @@ from distlm.plan.flops import (
     flops_per_token,
     model_shape,
     parameter_groups,
-    peak_flops,
 )
 from distlm.plan.model import (
     Cluster,
@@ -321,9 +322,9 @@ def test_peak_flops_table_and_cpu_probe():
 def ec2_product_name(tmp_path, monkeypatch):
     """The DMI product name file EC2 fills, as a file of the test's; no overrides set."""
     path = tmp_path / "product_name"
-    monkeypatch.setattr(flops, "PRODUCT_NAME_PATH", path)
-    monkeypatch.delenv(flops.INSTANCE_TYPE_VARIABLE, raising=False)
-    monkeypatch.delenv(flops.PEAK_VARIABLE, raising=False)
+    monkeypatch.setattr(hardware, "PRODUCT_NAME_PATH", path)
+    monkeypatch.delenv(hardware.INSTANCE_TYPE_VARIABLE, raising=False)
+    monkeypatch.delenv(hardware.PEAK_VARIABLE, raising=False)
     return path
 
 
@@ -332,20 +333,20 @@ def test_trainium_and_xla_devices_are_named_by_the_instance_type(ec2_product_nam
     # rank each); a Trainium2 chip 667 with four logical cores of LNC=2.
     trn1, trn2 = 190e12 / 2, 667e12 / 4
     for device_type in ("neuron", "xla"):
-        with pytest.raises(UsageError, match=flops.INSTANCE_TYPE_VARIABLE):
+        with pytest.raises(UsageError, match=hardware.INSTANCE_TYPE_VARIABLE):
             peak_flops(device_type, "bf16")  # no product name: says how to give one
     ec2_product_name.write_text("trn1.32xlarge\n")
     assert peak_flops("neuron", "bf16") == pytest.approx(trn1)
     assert peak_flops("xla", torch.bfloat16) == pytest.approx(trn1)
     ec2_product_name.write_text("trn2.48xlarge\n")
     assert peak_flops("xla", "bf16") == pytest.approx(trn2)
-    monkeypatch.setenv(flops.INSTANCE_TYPE_VARIABLE, "trn1n.32xlarge")  # a container's override wins
+    monkeypatch.setenv(hardware.INSTANCE_TYPE_VARIABLE, "trn1n.32xlarge")  # a container's override wins
     assert peak_flops("neuron", "bf16") == pytest.approx(trn1)
-    monkeypatch.setenv(flops.INSTANCE_TYPE_VARIABLE, "m5.xlarge")
+    monkeypatch.setenv(hardware.INSTANCE_TYPE_VARIABLE, "m5.xlarge")
     with pytest.raises(UsageError, match="m5.xlarge"):
         peak_flops("xla", "bf16")
-    monkeypatch.setenv(flops.PEAK_VARIABLE, "120")
-    assert flops.device_peak_flops("xla", "bf16") == 120e12
+    monkeypatch.setenv(hardware.PEAK_VARIABLE, "120")
+    assert hardware.device_peak_flops("xla", "bf16") == 120e12
 
 
 def test_a_device_without_peak_logs_once_and_prints_null_mfu(ec2_product_name, monkeypatch, caplog):
@@ -356,7 +357,7 @@ def test_a_device_without_peak_logs_once_and_prints_null_mfu(ec2_product_name, m
             per_token, peak = metrics.mfu_inputs(model, SEQ_LEN, "xla", torch.bfloat16)
     assert per_token == flops_per_token(model, SEQ_LEN) and peak is None
     reports = [record.getMessage() for record in caplog.records if "mfu" in record.getMessage()]
-    assert len(reports) == 1 and "xla" in reports[0] and flops.INSTANCE_TYPE_VARIABLE in reports[0], reports
+    assert len(reports) == 1 and "xla" in reports[0] and hardware.INSTANCE_TYPE_VARIABLE in reports[0], reports
     stats = metrics.TrainStats("cpu", per_token, peak, devices=2)
     stats.add(torch.tensor(10.0), target_tokens=64, input_tokens=64, samples=2)
     record = stats.reduce(None)

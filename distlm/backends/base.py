@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlm.choices import NETWORKS, PRECISIONS
 from distlm.env import ClusterEnv
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 
 class DistributedInitError(RuntimeError):
@@ -110,7 +110,7 @@ def create_store(
 def describe_init_failure(
     err: BaseException, env: ClusterEnv, port: int, timeout: datetime.timedelta, stage: str
 ) -> DistributedInitError:
-    cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = first_line(err)
     timed_out = "time" in cause.lower()  # "Timed out", "timed out", "timeout"
     where = f"rank {env.rank} of world size {env.world_size} (launcher {env.launcher}, master {env.master_addr}:{port})"
     if timed_out:

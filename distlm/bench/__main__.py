@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 
 SUITES = {"scaling": "distlm.bench.scaling"}
 USAGE = "usage: python -m distlm.bench {" + ",".join(SUITES) + "} [--help | flags]"

@@ -27,13 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from distlm.backends.hardware import device_peak_flops, host_cores, measure_cpu_matmul_flops
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
 from distlm.parallel.names import unwrap
-from distlm.plan.flops import device_peak_flops, dtype_name, measure_cpu_matmul_flops
-from distlm.plan.model import host_cores
+from distlm.precision import dtype_name
 from distlm.trainer import Trainer
 
 # The suite drives a fixed number of updates and never stops on its own, validates or logs.

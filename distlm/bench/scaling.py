@@ -41,15 +41,14 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from distlm.backends import get_backend
+from distlm.backends.hardware import host_cores
 from distlm.bench import plots, results
 from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch, rotated
 from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
 from distlm.choices import COMM_HOOKS, DEVICES, STRATEGIES
-from distlm.config import OneLineErrorParser, whole_number_list
 from distlm.distributed import shutdown
 from distlm.env import ClusterEnv
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
-from distlm.plan.model import host_cores
+from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
 from distlm.validation import validate
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -16,8 +16,7 @@ from typing import Sequence
 
 from distlm.bench.measure import LaunchSpec, measure_launch
 from distlm.distributed import shutdown
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
-from distlm.train import exit_without_teardown
+from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 
 PROGRESS_PREFIX = "distlm.bench| "
 ERROR_PREFIX = "distlm.bench: error: "

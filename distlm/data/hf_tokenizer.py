@@ -32,7 +32,7 @@ from typing import Any
 
 from distlm.data.dictionary import Vocabulary
 from distlm.data.tokenizer import write_hf_tokenizer
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ def load_tokenizer(directory: str | os.PathLike):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UsageError(f"{path} is not a readable Hugging Face tokenizer ({reason})") from None
+        raise UsageError(f"{path} is not a readable Hugging Face tokenizer ({first_line(err)})") from None
 
 
 def read_special_token_names(directory: str | os.PathLike) -> dict[str, str]:

@@ -29,10 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from distlm.config import OneLineErrorParser
 from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, load_tokenizer
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
-from distlm.errors import UsageError
+from distlm.errors import OneLineErrorParser, UsageError
 
 SPLITS = ("train", "valid")
 JSON_SUFFIXES = (".jsonl", ".json")

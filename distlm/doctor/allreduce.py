@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from distlm.doctor.channel import RankChannel, StepFailed
 from distlm.doctor.report import FAIL, PASS, SKIP, Row, format_ranks
+from distlm.errors import first_line
 from distlm.plan.model import Cluster, Group, group_link, ring_allreduce_time
 
 NAME = "all-reduce"
@@ -76,7 +77,7 @@ def time_allreduce(sizes: Sequence[int], repeats: int, device: torch.device, bac
                 wrong.append(nbytes)
             seconds.append(timings)
     except RuntimeError as err:
-        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        cause = first_line(err)
         raise StepFailed(
             f"rank {rank}: an all-reduce did not complete within --timeout-sec {timeout_sec:g}: {cause}"
         ) from err

@@ -17,17 +17,13 @@ from typing import Any
 import torch.distributed as dist
 
 from distlm.doctor.report import format_ranks
+from distlm.errors import first_line
 
 _LATE_RANKS = re.compile(r"Ranks? ([\d,\s]+?) failed to pass monitoredBarrier")
 
 
 class StepFailed(RuntimeError):
     """A step did not complete on every rank within the timeout; the message names whom it waited for."""
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class RankChannel:
@@ -48,7 +44,7 @@ class RankChannel:
                 group = dist.new_group(backend="gloo", timeout=context.timeout)
             except RuntimeError as err:
                 raise StepFailed(
-                    f"rank {context.rank} could not create the gloo group the doctor talks over: {_first_line(err)}"
+                    f"rank {context.rank} could not create the gloo group the doctor talks over: {first_line(err)}"
                 ) from err
         return cls(context.rank, context.world_size, context.timeout, group)
 
@@ -76,7 +72,7 @@ class RankChannel:
         except RuntimeError as err:
             raise StepFailed(
                 f"the exchange of '{step}' failed on rank {self.rank} after every rank had arrived "
-                f"(--timeout-sec {self.timeout_sec:g}): {_first_line(err)}"
+                f"(--timeout-sec {self.timeout_sec:g}): {first_line(err)}"
             ) from err
         return gathered
 
@@ -97,5 +93,5 @@ class RankChannel:
             )
         return (
             f"rank {self.rank}: '{step}' did not complete within --timeout-sec {self.timeout_sec:g}: "
-            f"{_first_line(err)}"
+            f"{first_line(err)}"
         )

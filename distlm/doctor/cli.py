@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
 from distlm.backends import resolve_device
-from distlm.config import OneLineErrorParser, TrainConfig, parse_args
+from distlm.backends.hardware import instance_type
+from distlm.config import TrainConfig, parse_args
 from distlm.distributed import shutdown
 from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.errors import OneLineErrorParser, UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.plan import available_clusters, load_cluster
-from distlm.plan.flops import instance_type
-from distlm.train import exit_without_teardown
 
 ENV_CLUSTER = "DISTLM_CLUSTER"
 DETECTED = "the instance type"

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 import torch
 
 from distlm.backends.base import module_importable
+from distlm.backends.hardware import host_cores
 from distlm.doctor.channel import RankChannel
 from distlm.doctor.report import FAIL, PASS, WARN, Row, count, ranks_by_value, who
-from distlm.plan.model import host_cores
 
 NAME = "devices"
 _NEURON_DEVICE = re.compile(r"neuron\d+")

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from distlm.errors import UsageError
 from distlm.models.contract import model_blocks
+from distlm.precision import MODE_DTYPES
 
 # Devices whose memory FSDP's CPUOffloadPolicy can offload from. On anything else the
 # policy has nothing to offload and torch fails at the first forward with
@@ -50,18 +51,11 @@ def check_cpu_offload(cpu_offload: bool, device_type: str) -> None:
 
 
 def fsdp_dtypes(precision_mode: str) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` for apply_fsdp from distlm's precision mode.
-
-    Compute runs in the half type, gradients are reduced in fp32 and the sharded
-    master weights stay fp32. ``memory_efficient_fp16`` keeps fp16 weights already,
-    so only the reduction is raised to fp32 (the summed fp16 gradient could overflow).
-    """
-    return {
-        "fp32": (None, None),
-        "bf16": (torch.bfloat16, torch.float32),
-        "fp16": (torch.float16, torch.float32),
-        "memory_efficient_fp16": (None, torch.float32),
-    }[precision_mode]
+    """``(param_dtype, reduce_dtype)`` for apply_fsdp from distlm's precision mode: compute
+    in the autocast type, reduce as the precision table says (``precision.MODE_DTYPES``);
+    the sharded master weights keep the mode's parameter type."""
+    dtypes = MODE_DTYPES[precision_mode]
+    return dtypes.autocast, dtypes.fsdp_reduce
 
 
 def apply_fsdp(

@@ -16,10 +16,9 @@ import json
 import sys
 from typing import Sequence
 
-from distlm.config import OneLineErrorParser, whole_number_list
-from distlm.errors import UsageError
+from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.flops import DTYPES, count_parameters, flops_per_token, model_shape
+from distlm.plan.flops import count_parameters, flops_per_token, model_shape
 from distlm.plan.model import (
     ALLREDUCE_ALGORITHMS,
     COMM_HOOKS,
@@ -33,6 +32,7 @@ from distlm.plan.model import (
     project,
     resolve_batch,
 )
+from distlm.precision import DTYPES
 
 
 def build_parser() -> OneLineErrorParser:

@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from distlm.errors import UsageError
-from distlm.plan.flops import ModelShape, count_parameter_tensors, count_parameters, dtype_name, model_shape
+from distlm.plan.flops import ModelShape, count_parameter_tensors, count_parameters, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
+from distlm.precision import dtype_name
 
 SCALING_FIELDS = ("world_size", "strategy", "tokens_per_s", "step_time_s", "compute_s")
 # A probe row's method -> the collective it times.

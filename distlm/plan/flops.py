@@ -1,4 +1,4 @@
-"""Model FLOPs per token, exact parameter counts, and the peak FLOP/s of each device.
+"""Model FLOPs per token and exact parameter counts.
 
 FLOPs are counted as torchtitan counts them for MFU: 6 FLOPs per token for every
 parameter a matrix multiply uses (2 in forward, 4 in backward), plus the attention
@@ -7,40 +7,24 @@ with no discount for the causal mask and no recomputation. Embedding lookups do 
 matrix multiply, so their tables are left out, except where a table is also the output
 projection (RoBERTa's tied LM head), which multiplies like any weight.
 
-Peak FLOP/s are per rank: one GPU, one Trainium1 NeuronCore-v2, one Trainium2 logical
-NeuronCore (LNC=2, four per chip), or this CPU as a timed matmul measures it. The device
-of this process is named by torch for CUDA, and by the EC2 instance type for Trainium
-(``neuron`` and ``xla`` devices): ``DISTLM_INSTANCE_TYPE``, else the DMI product name EC2
-sets (``trn1.32xlarge``). ``DISTLM_PEAK_TFLOPS`` gives the peak of a device the table lacks.
+The peak FLOP/s these are divided by are facts of the hardware: ``distlm.backends.hardware``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
+from distlm.precision import DTYPES, dtype_name  # noqa: F401  (the planner's precisions)
 
 FAMILIES = ("llama", "roberta")
-
-DTYPES = ("fp32", "bf16", "fp16")
-_DTYPE_NAMES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-}
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -273,162 +257,8 @@ def flops_per_token(model_config_or_model: object, seq_len: int) -> float:
     return 6.0 * matmul_parameters(s) + 12.0 * s.n_layers * s.attention_dim * seq_len
 
 
-# ----------------------------------------------------------------------- peak FLOP/s
-
-# Dense (no sparsity) peak per rank, in TFLOP/s. fp32 means plain IEEE fp32 matmuls
-# (no TF32), which is what torch runs unless TF32 is allowed.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    # NVIDIA V100 SXM2: 125 tensor-core fp16, 15.7 fp32; no bf16.
-    # https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    # NVIDIA A100 SXM: 312 bf16/fp16 dense, 19.5 fp32.
-    # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
-    #   nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    # NVIDIA H100 SXM: 989 bf16/fp16 dense (the datasheet's 1,979 is with sparsity), 67 fp32.
-    # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    # Trainium1 chip: 190 bf16/fp16 TFLOPS, 47.5 fp32, from two NeuronCore-v2: per core half.
-    # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html
-    "trainium1": {"bf16": 95.0, "fp16": 95.0, "fp32": 23.75},
-    # Trainium2 chip: 667 bf16/fp16 dense, 181 fp32, eight NeuronCore-v3; with the default
-    # logical-core setting LNC=2 a rank is a pair of cores, four per chip: a quarter each.
-    # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium2.html
-    "trainium2": {"bf16": 166.75, "fp16": 166.75, "fp32": 45.25},
-}
-
-# How device names spell each entry: torch.cuda.get_device_name(), and EC2 instance types
-# (p3dn.24xlarge: V100, p4d/p4de: A100, p5.48xlarge: H100, trn1/trn1n: Trainium1, trn2: Trainium2).
-_DEVICE_ALIASES = {
-    "V100": ("v100", "p3.", "p3dn."),
-    "A100": ("a100", "p4d.", "p4de."),
-    "H100": ("h100", "p5."),
-    "trainium1": ("trainium1", "trainium", "trn1", "neuroncore-v2"),
-    "trainium2": ("trainium2", "trn2", "neuroncore-v3"),
-}
-DEVICE_TYPES = ("cuda", "neuron", "xla", "cpu")
-INSTANCE_TYPE_VARIABLE = "DISTLM_INSTANCE_TYPE"
-PEAK_VARIABLE = "DISTLM_PEAK_TFLOPS"
-# EC2 writes the instance type here (e.g. "trn1.32xlarge"); containers may hide it.
-PRODUCT_NAME_PATH = Path("/sys/devices/virtual/dmi/id/product_name")
-
-
-def dtype_name(dtype: object) -> str:
-    """``fp32``, ``bf16`` or ``fp16`` for a torch dtype or one of their usual spellings."""
-    key = str(dtype).lower()
-    if key not in _DTYPE_NAMES:
-        raise UsageError(f"precision {dtype} is unknown; choose one of {', '.join(DTYPES)}")
-    return _DTYPE_NAMES[key]
-
-
-def instance_type() -> str | None:
-    """This machine's EC2 instance type: ``DISTLM_INSTANCE_TYPE``, else the DMI product
-    name; None when neither says anything."""
-    named = os.environ.get(INSTANCE_TYPE_VARIABLE, "").strip()
-    if named:
-        return named
-    try:
-        return PRODUCT_NAME_PATH.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def local_device_name(device_type: str) -> str | None:
-    """The name of this process's ``device_type`` device for the peak table: torch's for
-    CUDA, the instance type for Trainium (``neuron``, ``xla``); None when unknown."""
-    if device_type == "cuda":
-        return torch.cuda.get_device_name() if torch.cuda.is_available() else instance_type()
-    if device_type in ("neuron", "xla"):
-        return instance_type()
-    return None
-
-
-def device_key(device_type: str, device_name: str | None) -> str:
-    """The ``PEAK_TFLOPS`` entry of a device, e.g. ``A100`` for "NVIDIA A100-SXM4-40GB" or
-    ``trainium1`` for "trn1.32xlarge"."""
-    name = (device_name or "").lower()
-    # Longest alias first, so "trainium2" is not read as "trainium".
-    for key, aliases in sorted(_DEVICE_ALIASES.items(), key=lambda item: -max(map(len, item[1]))):
-        if any(alias in name for alias in aliases):
-            return key
-    known = ", ".join(PEAK_TFLOPS)
-    if device_name is None and device_type in ("neuron", "xla"):
-        raise UsageError(
-            f"no peak FLOP/s known for the {device_type} device: no EC2 instance type found "
-            f"(set {INSTANCE_TYPE_VARIABLE}, e.g. trn1.32xlarge or trn2.48xlarge, or {PEAK_VARIABLE})"
-        )
-    raise UsageError(
-        f"no peak FLOP/s known for {device_type} device {device_name!r}; known devices: {known} "
-        f"(set {PEAK_VARIABLE} to its dense peak, or calibrate with --calibrate)"
-    )
-
-
-def peak_flops(device_type: str, dtype: object, device_name: str | None = None) -> float:
-    """Peak dense FLOP/s of one rank on ``device_type`` (cuda, neuron, xla, cpu) in ``dtype``.
-
-    For ``cpu`` the peak is measured (``measure_cpu_matmul_flops``); without a
-    ``device_name``, this process's device is named (``local_device_name``).
-    """
-    precision = dtype_name(dtype)
-    if device_type == "cpu":
-        return measure_cpu_matmul_flops(precision)
-    if device_type not in DEVICE_TYPES:
-        raise UsageError(f"device type {device_type!r} is unknown; choose one of {', '.join(DEVICE_TYPES)}")
-    if device_name is None:
-        device_name = local_device_name(device_type)
-    key = device_key(device_type, device_name)
-    table = PEAK_TFLOPS[key]
-    if precision not in table:
-        raise UsageError(f"{key} has no {precision} arithmetic; choose one of {', '.join(table)}")
-    return table[precision] * 1e12
-
-
-def device_peak_flops(device_type: str, dtype: object) -> float:
-    """Peak FLOP/s of this process's accelerator in ``dtype``: ``DISTLM_PEAK_TFLOPS`` when
-    set, else the table entry of the device (``peak_flops``). UsageError when neither knows."""
-    given = os.environ.get(PEAK_VARIABLE, "").strip()
-    if given:
-        try:
-            value = float(given)
-        except ValueError:
-            value = 0.0
-        if not value > 0 or not math.isfinite(value):
-            raise UsageError(f"{PEAK_VARIABLE}={given!r} must be a positive number of TFLOP/s")
-        return value * 1e12
-    return peak_flops(device_type, dtype)
-
-
 def model_flops_utilization(
     tokens_per_s: float, model_flops_per_token: float, peak_flops_per_rank: float, ranks: int
 ) -> float:
     """MFU: the model FLOP/s a run achieves over the peak of all its ranks."""
     return tokens_per_s * model_flops_per_token / (peak_flops_per_rank * ranks)
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_matmul_flops(
-    dtype: object = "fp32", size: int = 512, min_seconds: float = 0.2, threads: int | None = None
-) -> float:
-    """FLOP/s of a ``size x size`` matmul on this CPU in ``dtype`` (best call of those
-    run in about ``min_seconds``, after one warm-up), with ``threads`` intra-op threads
-    (default: torch's current setting). Cached per argument set."""
-    precision = dtype_name(dtype)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(0)
-        a = torch.randn(size, size, generator=generator).to(torch_dtype)
-        b = torch.randn(size, size, generator=generator).to(torch_dtype)
-        torch.mm(a, b)  # warm-up: first-call allocation and kernel selection
-        best = math.inf
-        calls, spent = 0, 0.0
-        while calls < 2 or spent < min_seconds:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            elapsed = time.perf_counter() - start
-            best, spent, calls = min(best, elapsed), spent + elapsed, calls + 1
-    finally:
-        torch.set_num_threads(previous_threads)
-    return 2.0 * size**3 / best

@@ -49,17 +49,9 @@ from typing import Any
 
 from distlm.choices import COMM_HOOKS, STRATEGIES
 from distlm.errors import UsageError
-from distlm.plan.flops import (
-    DTYPES,
-    ModelShape,
-    count_parameter_tensors,
-    device_key,
-    dtype_name,
-    flops_per_token,
-    measure_cpu_matmul_flops,
-    parameter_groups,
-    peak_flops,
-)
+from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
+from distlm.plan.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
+from distlm.precision import DTYPES, dtype_name
 
 GIB = 1024**3
 MIB = 1024**2
@@ -248,14 +240,6 @@ def _cluster_from_table(data: dict[str, Any], source: str, ranks_per_node: int |
         cores_per_node=cores,
         **flags,
     )
-
-
-def host_cores() -> int:
-    """Cores this process may run on (its CPU affinity), which a CPU node's ranks share."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 # --------------------------------------------------------------------- collectives
