@@ -38,6 +38,15 @@ COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 
 COMM_TRANSPORTS = ("torch", "mpi")
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+"""The collectives a data-parallel update runs, which the planner models and the suite
+times (the plain all-reduce, then FSDP's two)."""
+
+PROBE_METHODS = {"all_reduce": "plain", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+"""Each collective's ``method`` name in the suite's collective probe (JSON): the all-reduce is
+``plain``, as ``benchmarks/allreduce.py`` reports DDP's averaging all-reduce beside its hooks."""
+COLLECTIVE_OF_PROBE_METHOD = {method: kind for kind, method in PROBE_METHODS.items()}
+
 LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")

@@ -18,21 +18,17 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from distlm.parallel.names import parameter_names, single_device_name
+from distlm.parallel.names import local_shard, parameter_names, single_device_name
 
 
 class DivergenceError(FloatingPointError):
     """The run diverged; the message is one line naming the update and where it went non-finite."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 def _finite(tensor: torch.Tensor) -> bool:
-    return bool(torch.isfinite(_local(tensor)).all())
+    return bool(torch.isfinite(local_shard(tensor)).all())
 
 
 def first_nonfinite_gradient(model: nn.Module, group: dist.ProcessGroup | None = None) -> str | None:

@@ -16,13 +16,11 @@ import torch
 
 from distlm.checkpoint import TOKENIZER_DIR, CheckpointReader
 from distlm.errors import UsageError
-from distlm.models import LlamaConfig, RobertaConfig
 from distlm.models.hf import SpecialTokens, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
+from distlm.models.registry import FAMILY_CONFIGS
 
 logger = logging.getLogger("distlm")
-
-_CONFIGS = {"llama": LlamaConfig, "roberta": RobertaConfig}
 
 
 def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
@@ -31,13 +29,13 @@ def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_
     reader = CheckpointReader(checkpoint_path)
     meta = reader.meta
     family, model_config = meta.get("family"), meta.get("model_config")
-    if family not in _CONFIGS or model_config is None:
+    if family not in FAMILY_CONFIGS or model_config is None:
         raise UsageError(
             f"--checkpoint {reader.path} holds a {meta.get('arch')} model with no Hugging Face layout "
             "(distlm exports its Llama and RoBERTa models; a checkpoint of an older release lacks the model "
             "config: resume it once and save again)"
         )
-    config = _CONFIGS[family](**model_config)
+    config = FAMILY_CONFIGS[family](**model_config)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--hf {out_dir} is a file; name a directory")

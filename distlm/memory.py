@@ -14,7 +14,8 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from distlm.parallel.names import local_shard
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -50,16 +51,13 @@ def zero_formula_bytes(num_params: int, dp: int, stage: int, optimizer_bytes_per
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer, "total_bytes": params + grads + optimizer}
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (their local shards)."""
     seen: set[int] = set()
     total = 0
     for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
+        storage = local_shard(tensor).untyped_storage()
         if storage.device.type == "meta" or storage.nbytes() == 0:
             continue
         # The storage object's own address: shared by every view and alias of one

@@ -9,11 +9,15 @@ arithmetic of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distlm.choices import STRATEGIES
+from distlm.env import ranks_by_node
 from distlm.errors import UsageError
 
 
@@ -91,3 +95,56 @@ class ParallelDims:
         if name not in self._groups:
             self._groups[name] = mesh[name].get_group()
         return self._groups[name]
+
+
+# Nodes, simulated (--ranks-per-node) or real, as a ("node", "local") device mesh: the
+# hierarchical all-reduce reduces inside a node first.
+
+
+class NodeGroups(NamedTuple):
+    intra: dist.ProcessGroup
+    """The ranks of this rank's node."""
+    inter: dist.ProcessGroup
+    """The ranks with this rank's local rank, one per node."""
+
+
+def validate_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
+    """The number of nodes; UsageError unless ``ranks_per_node`` divides the world size."""
+    if ranks_per_node is None:
+        raise UsageError("--comm-hook hierarchical needs --ranks-per-node (the number of ranks on each node)")
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise UsageError(
+            f"--ranks-per-node {ranks_per_node} does not divide the world size {world_size}; "
+            "give the number of ranks on each node (every node must run as many)"
+        )
+    return world_size // ranks_per_node
+
+
+def node_groups(ranks_per_node: int, world_size: int, device_type: str = "cpu") -> NodeGroups:
+    """Intra- and inter-node groups of consecutive nodes of ``ranks_per_node`` ranks each
+    (``--ranks-per-node``, which simulates nodes). Called on every rank."""
+    num_nodes = validate_ranks_per_node(ranks_per_node, world_size)
+    return node_groups_of([rank // ranks_per_node for rank in range(world_size)], device_type, num_nodes)
+
+
+def node_groups_of(node_of_rank: Sequence[int], device_type: str = "cpu", num_nodes: int | None = None) -> NodeGroups:
+    """Intra- and inter-node groups from the node each rank really runs on (called on every rank).
+
+    Nodes need not hold consecutive ranks (``mpiexec --map-by node`` places them round
+    robin), but every node must hold as many: the inter-node groups pair the i-th rank
+    of each node.
+    """
+    if len(node_of_rank) != dist.get_world_size():
+        raise ValueError(f"node_groups spans all ranks: {len(node_of_rank)} != {dist.get_world_size()}")
+    grid = ranks_by_node(node_of_rank)
+    sizes = sorted({len(ranks) for ranks in grid})
+    if len(sizes) != 1:
+        counts = ", ".join(f"node {i}: {len(ranks)}" for i, ranks in enumerate(grid))
+        raise UsageError(
+            f"--comm-hook hierarchical needs the same number of ranks on every node, found {counts}; "
+            "start as many ranks on each node"
+        )
+    if num_nodes is not None and len(grid) != num_nodes:
+        raise ValueError(f"expected {num_nodes} nodes, found {len(grid)}")
+    mesh = DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("node", "local"))
+    return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())

@@ -66,8 +66,9 @@ MODE_DTYPES: dict[str, ModeDtypes] = {
 """Precision mode (each of ``choices.PRECISIONS``) -> its dtypes; everything else derives from it."""
 
 
-def uses_loss_scaling(mode: str) -> bool:
-    """fp16 arithmetic underflows small gradients: the modes that compute in fp16 scale the loss."""
+def computes_in_fp16(mode: str) -> bool:
+    """The modes whose arithmetic is fp16: they scale the loss (small fp16 gradients flush
+    to zero), and devices without fast fp16 refuse them."""
     return MODE_DTYPES[mode].compute == "fp16"
 
 
@@ -130,7 +131,7 @@ class Precision:
     def from_mode(cls, mode: str, init_scale: float = 128.0, scale_window: int = 256, min_scale: float = 1e-4,
                   max_skips: int | None = None):
         scaler = DynamicLossScaler(init_scale, scale_window, min_scale, max_skips=max_skips) \
-            if uses_loss_scaling(mode) else None
+            if computes_in_fp16(mode) else None
         return cls(mode, scaler)
 
     @classmethod

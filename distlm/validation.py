@@ -17,7 +17,7 @@ from distlm.builder import ModelSpec, resolve_model_spec
 from distlm.config import TrainConfig, check_settings
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
-from distlm.mesh import ParallelDims
+from distlm.mesh import ParallelDims, validate_ranks_per_node
 from distlm.models.contract import check_model
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.tp import validate_tp
@@ -112,11 +112,7 @@ def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
     if settings.sequence_parallel and not dims.tp_enabled:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
     if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is not None:
-        if dims.world_size % settings.ranks_per_node:
-            raise UsageError(
-                f"--ranks-per-node {settings.ranks_per_node} does not divide the world size {dims.world_size}; "
-                "give the number of ranks on each node (every node must run as many)"
-            )
+        validate_ranks_per_node(settings.ranks_per_node, dims.world_size)
 
 
 def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, arch: str | None = None) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_distributed
+from distlm import mesh
 from distlm.errors import UsageError
 from distlm.parallel import comm_hooks as ch
 
@@ -275,7 +276,7 @@ def _two_rank_job() -> dict:
 
 def _four_rank_job() -> dict:
     _init()
-    groups = ch.node_groups(2, 4, "cpu")
+    groups = mesh.node_groups(2, 4, "cpu")
     kinds = [
         ("hierarchical 2x2", "hierarchical", 2),
         ("hierarchical-fp16 2x2", "hierarchical-fp16", 2),
@@ -470,10 +471,10 @@ def test_unknown_kind_is_a_usage_error():
 @pytest.mark.parametrize("ranks_per_node", [0, 3, 5, None])
 def test_bad_ranks_per_node_is_a_usage_error(ranks_per_node):
     with pytest.raises(UsageError, match="--ranks-per-node"):
-        ch.validate_ranks_per_node(ranks_per_node, 4)
+        mesh.validate_ranks_per_node(ranks_per_node, 4)
 
 
 def test_good_ranks_per_node_gives_the_node_count():
-    assert ch.validate_ranks_per_node(2, 4) == 2
-    assert ch.validate_ranks_per_node(4, 4) == 1
-    assert ch.validate_ranks_per_node(1, 4) == 4
+    assert mesh.validate_ranks_per_node(2, 4) == 2
+    assert mesh.validate_ranks_per_node(4, 4) == 1
+    assert mesh.validate_ranks_per_node(1, 4) == 4

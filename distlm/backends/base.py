@@ -21,6 +21,7 @@ import torch.distributed as dist
 from distlm.choices import NETWORKS, PRECISIONS
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, first_line
+from distlm.precision import computes_in_fp16
 
 
 class DistributedInitError(RuntimeError):
@@ -39,9 +40,8 @@ def check_precision_name(precision: str) -> None:
 def refuse_fp16(precision: str, device: str, why: str) -> None:
     """One line refusing ``--fp16``/``--memory-efficient-fp16`` on ``--device device``, pointing to bf16."""
     check_precision_name(precision)
-    if precision in ("fp16", "memory_efficient_fp16"):
-        flag = "--fp16" if precision == "fp16" else "--memory-efficient-fp16"
-        raise UsageError(f"{flag} is not supported on --device {device}: {why}; use --bf16 (or fp32)")
+    if computes_in_fp16(precision):
+        raise UsageError(f"--{precision.replace('_', '-')} is not supported on --device {device}: {why}; use --bf16 (or fp32)")
 
 
 def check_network_name(network: str) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from distlm.choices import DEVICES
 from distlm.errors import UsageError
-from distlm.precision import dtype_name
+from distlm.precision import DTYPES, dtype_name
 
 
 def host_cores() -> int:
@@ -61,7 +62,7 @@ _DEVICE_ALIASES = {
     "trainium1": ("trainium1", "trainium", "trn1", "neuroncore-v2"),
     "trainium2": ("trainium2", "trn2", "neuroncore-v3"),
 }
-DEVICE_TYPES = ("cuda", "neuron", "xla", "cpu")
+DEVICE_TYPES = tuple(device for device in DEVICES if device != "auto")
 INSTANCE_TYPE_VARIABLE = "DISTLM_INSTANCE_TYPE"
 PEAK_VARIABLE = "DISTLM_PEAK_TFLOPS"
 # EC2 writes the instance type here (e.g. "trn1.32xlarge"); containers may hide it.
@@ -159,14 +160,13 @@ def measure_cpu_matmul_flops(
     load at start-up. A peak is a per-core rate times the cores, as datasheets state it.
     """
     precision = dtype_name(dtype)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     cores = threads if threads is not None else torch.get_num_threads()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the matmul runs on the calling thread, whose clock is read
     try:
         generator = torch.Generator().manual_seed(0)
-        a = torch.randn(size, size, generator=generator).to(torch_dtype)
-        b = torch.randn(size, size, generator=generator).to(torch_dtype)
+        a = torch.randn(size, size, generator=generator).to(DTYPES[precision])
+        b = torch.randn(size, size, generator=generator).to(DTYPES[precision])
         torch.mm(a, b)  # warm-up: first-call allocation and kernel selection
         best = math.inf
         calls, spent = 0, 0.0

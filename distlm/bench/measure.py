@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from distlm.backends.hardware import device_peak_flops, host_cores, measure_cpu_matmul_flops
+from distlm.choices import PROBE_METHODS
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
 from distlm.optim import AdamWSettings, build_optimizer
@@ -82,7 +83,7 @@ class LaunchSpec:
             "--seed", str(self.seed),
         ]
         flags += ["--data", self.data] if self.data is not None else []
-        return flags + {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[self.precision]
+        return flags + ([] if self.precision == "fp32" else [f"--{self.precision}"])
 
     def trainer_config(self, strategy: str) -> TrainConfig:
         """The parsed and checked config of ``trainer_flags``."""
@@ -371,9 +372,9 @@ def probe_collectives(
         full = torch.ones(numel, device=device)
         shard = torch.ones(numel // world, device=device)
         calls = {
-            "plain": lambda: reducer(full).wait(),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
+            PROBE_METHODS["all_reduce"]: lambda: reducer(full).wait(),
+            PROBE_METHODS["all_gather"]: lambda: dist.all_gather_into_tensor(full, shard),
+            PROBE_METHODS["reduce_scatter"]: lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
         }
         seconds = time_interleaved(calls, rounds, dist.barrier)
         times = torch.tensor([seconds[method] for method in calls], dtype=torch.float64)

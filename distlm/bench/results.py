@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
 from distlm.plan.flops import flops_per_token, model_flops_utilization, model_shape
 
 # Rows with the same values of these fields are one scaling series; its efficiency is
@@ -181,9 +182,11 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-# Bus bandwidth over algorithm bandwidth (nccl-tests' definitions), per probe method.
-BUS_FACTORS = {"plain": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n}
+def bus_factor(method: str, ranks: int) -> float:
+    """Bus bandwidth over algorithm bandwidth of a probe method (nccl-tests' definitions):
+    an all-reduce moves its buffer twice, all-gather and reduce-scatter once."""
+    moves = 2 if COLLECTIVE_OF_PROBE_METHOD[method] == "all_reduce" else 1
+    return moves * (ranks - 1) / ranks
 
 
 def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -200,7 +203,7 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for report in group:
             for row in report["collectives"]:
                 by_point.setdefault((row["method"], row["size_bytes"]), []).append(row["median_s"])
-        order = {method: index for index, method in enumerate(BUS_FACTORS)}
+        order = {method: index for index, method in enumerate(PROBE_METHODS.values())}
         reports.append({
             "benchmark": "allreduce",
             "world_size": world_size,
@@ -209,7 +212,7 @@ def allreduce_reports(launches: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "repeats": len(group),
             "collectives": [
                 {"size_bytes": size, "method": method, "median_s": statistics.median(values),
-                 "busbw_GBps": size / statistics.median(values) / 1e9 * BUS_FACTORS[method](world_size)}
+                 "busbw_GBps": size / statistics.median(values) / 1e9 * bus_factor(method, world_size)}
                 for (method, size), values in sorted(by_point.items(), key=lambda item: (order[item[0][0]], item[0][1]))
             ],
         })

@@ -48,10 +48,10 @@ from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
 from distlm.choices import COMM_HOOKS, DEVICES, STRATEGIES
 from distlm.distributed import shutdown
 from distlm.env import ClusterEnv
+from distlm.precision import DTYPES
 from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
 from distlm.validation import validate
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class LaunchFailed(RuntimeError):
@@ -125,7 +125,7 @@ def build_parser() -> OneLineErrorParser:
              "replicas of the smallest world size)")
     add("--update-freq", type=int, default=1, help="micro-batches per update (default 1)")
     add("--tokens-per-sample", type=int, default=128, help="tokens per sample (default 128)")
-    add("--precision", choices=PRECISIONS, default="fp32",
+    add("--precision", choices=tuple(DTYPES), default="fp32",
         help="fp32 (default), bf16 or fp16 (distlm.train's --bf16/--fp16)")
     add("--comm-hook", type=name_list("--comm-hook", COMM_HOOKS), default=["allreduce"],
         help=f"DDP's gradient all-reduce, comma-separated, from {', '.join(COMM_HOOKS)} (default allreduce); "

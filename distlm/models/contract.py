@@ -1,26 +1,14 @@
 """What a model offers the trainer: the contract every distlm model, built in or the user's, meets.
 
-A model is single-device code. The trainer and the strategies rely on these members
-and nothing else, so parallelism can be applied from outside:
-
-``task``           ``"masked_lm"`` or ``"causal_lm"``: which data pipeline and loss it trains with.
-``init_weights()`` (Re)initialise every parameter and buffer in place, drawing from torch's RNG
-                   only; called after the model is materialised from the meta device.
-``max_positions``  The longest sample, in tokens, that the model accepts.
-``padding_idx``    The token id of padding (sequence parallel pads batches with it).
-``blocks``         Optional: the ``nn.ModuleList`` of transformer blocks, the unit of FSDP
-                   sharding, activation checkpointing and compilation. ``None``: no per-block unit.
-``tp_plan``        Optional: module-name pattern -> tensor-parallel style (see parallel/tp.py);
-                   empty means the model cannot be tensor-parallel.
-``tp_divisible``   Optional: config fields the tensor-parallel degree must divide.
-
-A masked LM's ``forward(input_ids, masked_tokens=None)`` may compute logits at the
-masked positions only; every model maps ``input_ids [B, T]`` to logits ``[B, T, V]``.
+A model is single-device code. The trainer and the strategies rely on the members of
+``CONTRACT`` and nothing else, so parallelism can be applied from outside. A masked LM's
+``forward(input_ids, masked_tokens=None)`` may compute logits at the masked positions
+only; every model maps ``input_ids [B, T]`` to logits ``[B, T, V]``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,25 +16,20 @@ from torch import nn
 from distlm.choices import TASKS
 from distlm.errors import UsageError
 
-REQUIRED_MEMBERS = ("task", "init_weights", "max_positions", "padding_idx")
+CONTRACT: dict[str, tuple[bool, str]] = {
+    "task": (True, "which data pipeline and loss it trains with: one of choices.TASKS"),
+    "init_weights": (True, "(re)initialise every parameter and buffer in place, drawing from torch's RNG only; "
+                           "called after the model is materialised from the meta device"),
+    "max_positions": (True, "the longest sample, in tokens, that the model accepts"),
+    "padding_idx": (True, "the token id of padding (sequence parallel pads batches with it)"),
+    "blocks": (False, "the nn.ModuleList of transformer blocks, the unit of FSDP sharding, activation "
+                      "checkpointing and compilation; None: no per-block unit"),
+    "tp_plan": (False, "module-name pattern -> tensor-parallel style (parallel/tp.py); empty: no tensor parallel"),
+    "tp_divisible": (False, "config fields the tensor-parallel degree must divide"),
+}
+"""Member -> (required, what it is)."""
 
-
-@runtime_checkable
-class LanguageModel(Protocol):
-    task: str
-    tp_plan: dict[str, str]
-    tp_divisible: tuple[str, ...]
-
-    @property
-    def blocks(self) -> nn.ModuleList | None: ...
-
-    @property
-    def max_positions(self) -> int: ...
-
-    @property
-    def padding_idx(self) -> int: ...
-
-    def init_weights(self) -> None: ...
+REQUIRED_MEMBERS = tuple(member for member, (required, _) in CONTRACT.items() if required)
 
 
 class TransformerLM(nn.Module):
@@ -86,7 +69,7 @@ def check_model(model: object) -> None:
     if missing:
         raise UsageError(
             f"model={name} lacks {', '.join(missing)} of the distlm model contract "
-            "(task, init_weights(), max_positions, padding_idx; see distlm/models/contract.py); add them"
+            f"({', '.join(REQUIRED_MEMBERS)}; see distlm/models/contract.py); add them"
         )
     if not callable(model.init_weights):
         raise UsageError(f"model={name}.init_weights is not callable; make it a method that initialises the weights")

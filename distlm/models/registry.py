@@ -87,7 +87,11 @@ def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig]:
 
 
 FAMILIES: dict[type[nn.Module], str] = {RobertaMaskedLM: "roberta", LlamaCausalLM: "llama"}
-"""Model class -> the family name that fairseq's architecture flags and Hugging Face's model_type use."""
+"""Model class -> the family name that fairseq's architecture flags and Hugging Face's model_type use:
+the one table of model families."""
+
+FAMILY_CONFIGS: dict[str, type] = {FAMILIES[model_class]: type(config) for model_class, config in ARCHS.values()}
+"""Family name -> its config class (what a checkpoint's ``model_config`` is read into)."""
 
 
 def arch_family(arch: str) -> str:

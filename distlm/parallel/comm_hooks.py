@@ -19,16 +19,16 @@ Process groups are arguments; nothing here lives in module globals.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
 from distlm.choices import COMM_HOOKS
-from distlm.env import ranks_by_node
 from distlm.errors import UsageError
+from distlm.mesh import node_groups, node_groups_of, validate_ranks_per_node
+from distlm.precision import DTYPES, dtype_name
 
 Reducer = Callable[[torch.Tensor], "Future[torch.Tensor]"]
 
@@ -124,30 +124,12 @@ class AllReduceReducer:
 class HalfPrecisionReducer:
     """All-reduce in fp16 or bf16: half the bytes on the wire, the result cast back into ``flat``.
 
-    Works on gloo (torch's stock ``bf16_compress_hook`` refuses to run without NCCL).
-
-    Each rank divides by the world size n *before* casting, so every value on the wire
-    and every partial sum of the all-reduce is bounded by ``max_i |g_i|`` (a sum of n terms
-    each at most ``max|g| / n``). fp16 therefore cannot overflow while every rank's gradient
-    fits in fp16 (all ``|g_i| <= 65504``, its largest finite value), up to rounding: where
-    n is not a power of two, ``g_i / n`` rounds, and values within about ``n * 2**-11`` of
-    65504 may still round up to inf. Summing first and dividing after would overflow as
-    soon as the *sum* passed 65504: two ranks each holding 60000 give inf that way and
-    60000 here. bf16 has fp32's exponent range, so it cannot overflow where fp32 would not.
-
-    Accuracy, with u the unit roundoff of ``dtype`` (2**-11 for fp16, 2**-8 for bf16; eps=2u):
-    one rounding of each ``g_i / n`` plus n - 1 rounded additions whose partial sums are
-    bounded by ``S = sum_i |g_i| / n`` give ``|result - mean| <= n * u * S * (1 + u)``,
-    so at most ``(n / 2) * eps * max|g|``. The cast back to fp32 is exact.
-
-    The price of dividing first is at the small end, and matters for fp16 only: a
-    ``g_i / n`` below fp16's smallest normal 2**-14 (6.1e-5), i.e. ``|g_i| < n * 6.1e-5``,
-    is subnormal and keeps only an absolute accuracy of 2**-25 (3.0e-8) instead of the
-    relative 2**-11, and ``|g_i| < n * 2**-25`` (n * 3.0e-8) flushes to zero; together at
-    most ``n * 2**-25`` absolute error on the mean. That is log2(n) bits more of the small
-    end lost than casting undivided gradients would lose. fp16 training scales the loss
-    (and so the gradients) up, which keeps them clear of that range; bf16's normal range
-    reaches down to 1.2e-38, so there the division costs nothing.
+    Works on gloo (torch's stock ``bf16_compress_hook`` refuses to run without NCCL). Each
+    rank divides by the world size n before casting, so no partial sum exceeds the largest
+    rank's gradient: fp16 cannot overflow while every gradient fits in fp16, and the error
+    is at most ``(n / 2) * eps * max|g|``. The price is fp16's subnormal range: values below
+    ``n * 6.1e-5`` lose relative accuracy (loss scaling keeps gradients above it). The
+    bounds are derived in benchmarks/README.md.
     """
 
     def __init__(self, transport: Transport, dtype: torch.dtype) -> None:
@@ -160,7 +142,7 @@ class HalfPrecisionReducer:
         return _half_sum(self.transport, flat, self.dtype)
 
     def __repr__(self) -> str:
-        return f"{_dtype_name(self.dtype)} allreduce over {self.transport.size} ranks"
+        return f"{dtype_name(self.dtype)} allreduce over {self.transport.size} ranks"
 
 
 class HierarchicalReducer:
@@ -230,7 +212,7 @@ class HierarchicalReducer:
         return _then(work.get_future(), lambda: flat.copy_(padded[:numel]))
 
     def __repr__(self) -> str:
-        inter = "" if self.half_dtype is None else f", {_dtype_name(self.half_dtype)} between nodes"
+        inter = "" if self.half_dtype is None else f", {dtype_name(self.half_dtype)} between nodes"
         return f"hierarchical allreduce over {self.num_nodes} nodes x {self.local_size} ranks{inter}"
 
 
@@ -248,64 +230,6 @@ def hierarchical_reducer(
     half_dtype: torch.dtype | None = None,
 ) -> HierarchicalReducer:
     return HierarchicalReducer(intra_group, inter_transport, half_dtype)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
-
-
-# ---------------------------------------------------------------------------------------
-# Topology: simulated or real nodes as a ("node", "local") device mesh
-# ---------------------------------------------------------------------------------------
-
-
-class NodeGroups(NamedTuple):
-    intra: dist.ProcessGroup
-    """The ranks of this rank's node."""
-    inter: dist.ProcessGroup
-    """The ranks with this rank's local rank, one per node."""
-
-
-def validate_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
-    """The number of nodes; UsageError unless ``ranks_per_node`` divides the world size."""
-    if ranks_per_node is None:
-        raise UsageError("--comm-hook hierarchical needs --ranks-per-node (the number of ranks on each node)")
-    if ranks_per_node < 1 or world_size % ranks_per_node:
-        raise UsageError(
-            f"--ranks-per-node {ranks_per_node} does not divide the world size {world_size}; "
-            "give the number of ranks on each node (every node must run as many)"
-        )
-    return world_size // ranks_per_node
-
-
-def node_groups(ranks_per_node: int, world_size: int, device_type: str = "cpu") -> NodeGroups:
-    """Intra- and inter-node groups of consecutive nodes of ``ranks_per_node`` ranks each
-    (``--ranks-per-node``, which simulates nodes). Called on every rank."""
-    num_nodes = validate_ranks_per_node(ranks_per_node, world_size)
-    return node_groups_of([rank // ranks_per_node for rank in range(world_size)], device_type, num_nodes)
-
-
-def node_groups_of(node_of_rank: Sequence[int], device_type: str = "cpu", num_nodes: int | None = None) -> NodeGroups:
-    """Intra- and inter-node groups from the node each rank really runs on (called on every rank).
-
-    Nodes need not hold consecutive ranks (``mpiexec --map-by node`` places them round
-    robin), but every node must hold as many: the inter-node groups pair the i-th rank
-    of each node.
-    """
-    if len(node_of_rank) != dist.get_world_size():
-        raise ValueError(f"node_groups spans all ranks: {len(node_of_rank)} != {dist.get_world_size()}")
-    grid = ranks_by_node(node_of_rank)
-    sizes = sorted({len(ranks) for ranks in grid})
-    if len(sizes) != 1:
-        counts = ", ".join(f"node {i}: {len(ranks)}" for i, ranks in enumerate(grid))
-        raise UsageError(
-            f"--comm-hook hierarchical needs the same number of ranks on every node, found {counts}; "
-            "start as many ranks on each node"
-        )
-    if num_nodes is not None and len(grid) != num_nodes:
-        raise ValueError(f"expected {num_nodes} nodes, found {len(grid)}")
-    mesh = DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("node", "local"))
-    return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())
 
 
 # ---------------------------------------------------------------------------------------
@@ -334,8 +258,8 @@ def build_reducer(
     make_transport = inter_transport_factory or TorchTransport
     if kind == "allreduce":
         return allreduce_reducer(make_transport(dp_group))
-    if kind in ("fp16", "bf16"):
-        return half_precision_reducer(make_transport(dp_group), torch.float16 if kind == "fp16" else torch.bfloat16)
+    if kind in DTYPES:  # a flat all-reduce in the type the hook is named after
+        return half_precision_reducer(make_transport(dp_group), DTYPES[kind])
 
     dp_size = dist.get_world_size(dp_group)
     if dp_size != dist.get_world_size():
@@ -351,7 +275,7 @@ def build_reducer(
         num_nodes = len(set(node_of_rank))
     # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
     inter_transport = make_transport(inter) if num_nodes > 1 else None
-    return hierarchical_reducer(intra, inter_transport, torch.float16 if kind == "hierarchical-fp16" else None)
+    return hierarchical_reducer(intra, inter_transport, DTYPES.get(kind.removeprefix("hierarchical-")))
 
 
 # ---------------------------------------------------------------------------------------

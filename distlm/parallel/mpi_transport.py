@@ -1,61 +1,26 @@
 """Gradient all-reduce over MPI (mpi4py), for ``--comm-transport mpi`` under ``mpiexec``.
 
-ChainerMN's ``inter_mpi_comm`` idea as a distlm ``Transport`` (see parallel/comm_hooks.py):
-``MPITransport(comm).all_reduce_sum(tensor)`` sums ``tensor`` in place over an mpi4py
-communicator and returns a ``torch.futures.Future`` that resolves to the same tensor, so
-DDP keeps computing backward while buckets travel. The process group (gloo/NCCL) still
-exists for everything else; only gradient buckets take this path.
+``MPITransport(comm).all_reduce_sum(tensor)`` (a ``Transport`` of parallel/comm_hooks.py)
+sums ``tensor`` in place over an mpi4py communicator and returns a ``torch.futures.Future``
+of it, so DDP keeps computing backward while buckets travel; the process group still
+carries everything else.
 
-How a request completes. Each transport owns one communication thread, the only thread
-that calls MPI on its behalf (torch's own ProcessGroupMPI works the same way). The caller
--- DDP's backward, through a comm hook -- puts the tensor on a FIFO queue and returns at
-once; the thread sums it and resolves its future. Backward overlaps with communication
-because the thread, not the caller, waits. The thread sums in one of two ways:
-
-* ``nonblocking=False`` (default): one blocking ``Allreduce(IN_PLACE)`` per request, in
-  order. On OpenMPI 4.1.4 this is 2-2.6x faster than ``Iallreduce`` for 1 MiB-256 MiB
-  (2 ranks, shared memory: 16 MiB in 6.9 ms against 18.1 ms; the blocking call uses the
-  tuned collectives, the non-blocking one libnbc), and eight concurrent Iallreduces of a
-  split buffer do not recover it (14.9 ms). ``benchmarks/allreduce.py`` measures both.
-* ``nonblocking=True``: ``Iallreduce(IN_PLACE)`` for everything queued, up to
-  ``max_in_flight`` (16) outstanding, then ``Wait`` on the oldest (Wait is where OpenMPI
-  progresses non-blocking collectives), for MPI libraries whose non-blocking collectives
-  are the fast ones. The cap matters: with OpenMPI 4.1.4's shared-memory transport (vader,
-  CMA single copy), a few hundred outstanding Iallreduces of more than 4 KiB each left
-  this process's gloo traffic hung (gloo's recv timed out) though MPI's sums were right;
-  1000 of them did so in every run, 128 or fewer in none.
-
-Either way:
-
-* One transport needs ``MPI_THREAD_SERIALIZED`` (its thread and the main thread never
-  call MPI at the same time: the main thread only does so while building transports).
-  Two or more live transports have several threads inside MPI at once and need
-  ``MPI_THREAD_MULTIPLE``. mpi4py asks for MULTIPLE by default; the level granted is
-  checked when a transport is built, with a clear error if it is too low.
-* Collectives start in the order ``all_reduce_sum`` was called: the queue fixes the
-  order before the call returns. MPI requires every rank of the communicator to start
-  its collectives in the same order; DDP guarantees it, since it launches its buckets in
-  bucket-index order on every rank (after the first iteration's rebuild, in rank 0's
-  order, which it broadcasts). Callers other than DDP must keep that promise themselves.
-* The tensor (and the numpy view MPI writes into) stays referenced by the queue entry
-  until its future is resolved. The caller must not touch the tensor before then.
-* Future callbacks (``then``) run on the communication thread: keep them to pure
-  computation (cast back, divide), never another collective.
-
-Precision: fp32 and fp64 (and int32/int64) use MPI's own types. fp16 and bf16 use MPI's
-``MPI_FLOAT16_T``/``MPI_BFLOAT16_T`` where the library defines them; OpenMPI 4.1 does not,
-so there they travel as 16-bit words with a user-defined commutative sum that adds in
-the half type itself (each partial sum rounded to fp16/bf16 as a native half sum would
-be): 2 bytes per element on the wire, never a silent fp32 upcast. Other dtypes are
-refused.
-
-CUDA tensors go to MPI directly only when the MPI build says it is CUDA-aware
-(``MPIX_Query_cuda_support`` through mpi4py where available, else OpenMPI's
-``ompi_info``); otherwise --comm-transport mpi is refused on CUDA (use NCCL: the default
---comm-transport torch).
-
-MPI calls have no timeout: a peer that dies mid-collective is handled by mpiexec, which
-ends the whole job when one rank exits abnormally; --timeout-sec does not apply here.
+* Each transport owns one communication thread, the only one that calls MPI for it: the
+  caller queues the tensor and returns, the thread sums it and resolves the future.
+  ``nonblocking=False`` (default) runs one blocking ``Allreduce(IN_PLACE)`` per request,
+  in order; ``nonblocking=True`` keeps up to ``max_in_flight`` ``Iallreduce`` outstanding
+  (more of them left gloo traffic in the same process hung). benchmarks/README.md has the
+  timings behind the default.
+* One transport needs ``MPI_THREAD_SERIALIZED``, several ``MPI_THREAD_MULTIPLE``; the level
+  granted is checked when a transport is built.
+* Collectives start in call order (the queue fixes it), which every rank must share, as
+  DDP's bucket order is. The tensor must not be touched before its future resolves, and
+  ``then`` callbacks run on the communication thread: pure computation only.
+* fp32, fp64, int32 and int64 use MPI's types; fp16 and bf16 use ``MPI_FLOAT16_T`` /
+  ``MPI_BFLOAT16_T`` where defined, else travel as 16-bit words with a sum in the half
+  type itself (OpenMPI 4.1). Other dtypes are refused.
+* CUDA tensors go to MPI only when the build is CUDA-aware; otherwise the transport is
+  refused on CUDA. MPI calls have no timeout: mpiexec ends the job when a rank dies.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Single-device names of parameters and buffers, whatever wraps the model.
+"""Single-device names of parameters and buffers, whatever wraps the model, and the local
+shard of a (DTensor) parameter.
 
 DDP adds ``module.``; compile, activation checkpointing and FSDP's wrappers insert
 levels of their own. Checkpoints, exports and replica checks use the names of the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 # Levels that compile and activation checkpointing insert anywhere in a name.
@@ -53,3 +55,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -48,6 +48,7 @@ with warnings.catch_warnings():
 from torch.distributed.tensor import DTensor
 
 from distlm.optim import AdamWSettings, Fp32StateAdamW, build_optimizer
+from distlm.parallel.names import local_shard
 
 try:  # public since torch 2.5 under this name
     from torch.distributed.tensor.experimental import implicit_replication
@@ -147,7 +148,7 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
         buckets: list[list[torch.Tensor]] = []
         size = 0
         for p in (p for group in groups for p in group["params"]):
-            tensor = _local(p)
+            tensor = local_shard(p)
             nbytes = tensor.numel() * tensor.element_size()
             if not buckets or buckets[-1][0].dtype != tensor.dtype or size + nbytes > self.sync_bucket_bytes:
                 buckets.append([])
@@ -156,7 +157,4 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
             size += nbytes
         return buckets
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 

@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distlm.choices import COLLECTIVE_OF_PROBE_METHOD
 from distlm.errors import UsageError
 from distlm.plan.flops import ModelShape, count_parameter_tensors, count_parameters, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
 from distlm.precision import dtype_name
 
 SCALING_FIELDS = ("world_size", "strategy", "tokens_per_s", "step_time_s", "compute_s")
-# A probe row's method -> the collective it times.
-PROBE_METHODS = {"plain": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def _add_object(obj: Any, measurements: Measurements, where: str) -> None:
         if not isinstance(world, int) or world < 2 or not isinstance(per_node, int) or per_node < 1:
             raise UsageError(f"{where}: an all-reduce report needs world_size >= 2 and ranks_per_node")
         for row in obj.get("collectives", []):
-            kind = PROBE_METHODS.get(row.get("method"))
+            kind = COLLECTIVE_OF_PROBE_METHOD.get(row.get("method"))
             if kind is None:  # fp16, hierarchical, ...: distlm's own reducers, not the plain collectives
                 continue
             nbytes, seconds = row.get("size_bytes"), row.get("median_s")

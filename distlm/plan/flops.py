@@ -22,9 +22,10 @@ from torch import nn
 from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
+from distlm.models.registry import FAMILY_CONFIGS
 from distlm.precision import DTYPES, dtype_name  # noqa: F401  (the planner's precisions)
 
-FAMILIES = ("llama", "roberta")
+FAMILIES = tuple(FAMILY_CONFIGS)
 
 @dataclass(frozen=True)
 class ModelShape:

@@ -47,7 +47,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COMM_HOOKS, STRATEGIES
+from distlm.choices import COLLECTIVES, COMM_HOOKS, STRATEGIES
 from distlm.errors import UsageError
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.plan.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
@@ -70,7 +70,6 @@ ADAM_BYTES_PER_PARAM = 40
 # keep the scores.
 ACTIVATION_BYTES_PER_TOKEN_UNIT = 34.0
 PROFILES_PACKAGE = "distlm.plan"
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 # --------------------------------------------------------------------------- cluster
@@ -687,7 +686,7 @@ def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Layout, c
     hook = workload.comm_hook
     if hook == "allreduce":
         return collective_time("all_reduce", nbytes, group, cluster, workload.allreduce_algorithm)
-    if hook in ("fp16", "bf16"):
+    if hook in DTYPES:  # named after its wire type
         return collective_time("all_reduce", nbytes / 2, group, cluster, workload.allreduce_algorithm)
     factor = 0.5 if hook == "hierarchical-fp16" else 1.0
     return hierarchical_allreduce_time(
