@@ -23,8 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from distlm.config import ModelConfig, TrainConfig, arch_overrides
-from distlm.data import load_lm_data
+from distlm.config import ModelConfig, arch_overrides
 from distlm.memory import memory_report
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
@@ -92,7 +91,7 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
     hf_config = io.read_config(directory)
     adapter = adapter_for_hf(hf_config)
     config, tokens = adapter.config_from_hf(hf_config)
-    family = FAMILIES[adapter.MODEL_CLASS]
+    family = FAMILIES[adapter.model_class]
     overrides = arch_overrides(settings, family)
     sized = sorted(set(overrides) & set(_SIZE_FIELDS + ("max_positions", "max_seq_len")))
     if sized:
@@ -102,8 +101,8 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
         )
     config = _replace(config, overrides, f"--init-from-hf {directory}")
     if settings.arch is not None:
-        _check_arch_agrees(settings.arch, adapter.MODEL_CLASS, config, directory)
-    return ModelSpec(settings.arch or f"hf_{family}", adapter.MODEL_CLASS, config, directory, tokens)
+        _check_arch_agrees(settings.arch, adapter.model_class, config, directory)
+    return ModelSpec(settings.arch or f"hf_{family}", adapter.model_class, config, directory, tokens)
 
 
 def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
@@ -245,17 +244,6 @@ def _local_region(param: DTensor) -> tuple[slice, ...]:
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def training_data(config: TrainConfig, task: str, symbols: list[str] | None) -> Any:
-    """The train split of ``--data`` (the built-in corpus by default); ``symbols`` from a
-    checkpoint must agree with its vocabulary."""
-    settings = config.data
-    return load_lm_data(
-        settings.data, split="train", task=task, tokens_per_sample=settings.tokens_per_sample,
-        sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
-        symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
-    )
 
 
 def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int) -> None:

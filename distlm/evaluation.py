@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
 from distlm.config import TrainConfig
-from distlm.data import load_lm_data
+from distlm.data import load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
@@ -46,14 +46,8 @@ def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] |
     settings = config.data
     if settings.disable_validation:
         return {}
-    return {
-        name: load_lm_data(
-            settings.data, split=name, task=task, tokens_per_sample=settings.tokens_per_sample,
-            sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
-            symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
-        )
-        for name in (part.strip() for part in settings.valid_subset.split(",")) if name
-    }
+    return {name: load_split(config, name, task, symbols)
+            for name in (part.strip() for part in settings.valid_subset.split(",")) if name}
 
 
 class Validator:

@@ -17,11 +17,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from distlm.builder import build_model_for_run, log_start, resolve_model_spec, training_data
+from distlm.builder import build_model_for_run, log_start, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
-from distlm.data import GlobalBatchSampler
+from distlm.data import GlobalBatchSampler, load_split
 from distlm.data.batches import check_global_batch, to_device, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
@@ -61,8 +61,8 @@ class Trainer:
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
-        self.data = train_data if train_data is not None else training_data(
-            config, self.task, resume.dictionary if resume else None)
+        self.data = train_data if train_data is not None else load_split(
+            config, "train", self.task, resume.dictionary if resume else None)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx

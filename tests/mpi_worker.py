@@ -150,6 +150,7 @@ def job_ddp_hook() -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from distlm.parallel import comm_hooks
+    from distlm.parallel.ddp import ddp_hook
     from distlm.parallel.mpi_transport import mpi_transport_factory
 
     _init_gloo()
@@ -177,7 +178,7 @@ def job_ddp_hook() -> dict:
     for name in ("gloo", "mpi"):
         ddp = DistributedDataParallel(make_model(0), bucket_cap_mb=0.02)  # 16 KB buckets: several per step
         if name == "mpi":
-            hook = comm_hooks.ddp_hook(comm_hooks.allreduce_reducer(transport))
+            hook = ddp_hook(comm_hooks.allreduce_reducer(transport))
             seen: set[int] = set()
 
             def counting_hook(state, bucket, hook=hook, seen=seen):
@@ -214,6 +215,7 @@ def job_hierarchical() -> dict:
     import torch.distributed as dist
 
     from distlm.parallel import comm_hooks
+    from distlm.parallel.ddp import ddp_hook
     from distlm.parallel.mpi_transport import mpi_transport_factory
 
     _init_gloo()

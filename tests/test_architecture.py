@@ -16,6 +16,9 @@ from distlm.backends.registry import BACKENDS
 from distlm.config import build_parser, parse_args
 from distlm.errors import UsageError
 from distlm.precision import DTYPES, MODE_DTYPES
+from distlm import trainer as trainer_module
+from distlm import validation
+from distlm.builder import resolve_model_spec
 from distlm.trainer import Trainer
 from distributed import run_distributed
 from test_ddp import common_args
@@ -329,3 +332,18 @@ def test_one_host_synchronisation_per_update_under_every_strategy(data_dir, tmp_
         for layout, per_update in zip(["ddp", "fsdp", "tp2"], rank):
             for syncs in per_update:
                 assert len(syncs) <= 1, (layout, syncs)
+
+
+def test_a_start_resolves_the_model_once(data_dir, tmp_path, monkeypatch):
+    """Validation checks the spec of --arch before any rendezvous and hands it to the
+    context; the trainer builds from that one, never resolving the settings again."""
+    calls = []
+
+    def counted(settings):
+        calls.append(settings.arch)
+        return resolve_model_spec(settings)
+
+    monkeypatch.setattr(validation, "resolve_model_spec", counted)
+    monkeypatch.setattr(trainer_module, "resolve_model_spec", counted)
+    trainer = Trainer(parse_args(common_args(data_dir, str(tmp_path)) + ["--disable-validation"]))
+    assert calls == ["roberta_tiny"] and trainer.spec is trainer.ctx.spec and trainer.spec.name == "roberta_tiny"

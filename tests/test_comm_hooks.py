@@ -34,6 +34,7 @@ from distributed import run_distributed
 from distlm import mesh
 from distlm.errors import UsageError
 from distlm.parallel import comm_hooks as ch
+from distlm.parallel import ddp
 
 SIZES = (1, 7, 64, 1001)  # 1, 7 and 1001 are not multiples of the node size 2
 U32 = 2.0**-24
@@ -150,7 +151,7 @@ def _ddp_end_to_end(kinds: list[tuple[str, str, int | None]]) -> dict:
     results = {"none": _train_ddp(), "grad_max": _local_grad_max()}
     for label, kind, ranks_per_node in kinds:
         reducer = ch.build_reducer(kind, None, ranks_per_node=ranks_per_node, device_type="cpu")
-        results[label] = _train_ddp(ch.ddp_hook(reducer))
+        results[label] = _train_ddp(ddp.ddp_hook(reducer))
     return results
 
 
@@ -165,7 +166,7 @@ def _double_buffering_closed_form() -> dict:
     with torch.no_grad():
         module.weight.copy_(torch.tensor([[3.0, -2.0, 0.0, 1.0, 7.0]]))
     model = DistributedDataParallel(module, gradient_as_bucket_view=True)
-    hook, state = ch.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
+    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     weights, grads, first_steps, stale = [module.weight.detach().clone()], [], [], []
@@ -187,7 +188,7 @@ def _double_buffering_closed_form() -> dict:
 def _double_buffering_mlp() -> dict:
     """Several buckets, which DDP rebuilds after step 1, against a hand-made stale-SGD reference."""
     rank, n = _init_done()
-    hook, state = ch.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
+    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
     model, buckets = _ddp(hook, state)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from distlm.choices import SAMPLE_BREAK_MODES, TASKS
+from distlm.config import TrainConfig
 from distlm.data.blocks import TokenBlockDataset
 from distlm.data.corpus import ensure_builtin_corpus
 from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
@@ -113,6 +114,17 @@ class LMData:
             "targets": targets_tensor,
             "ntokens": (targets_tensor != IGNORE_INDEX).sum(),
         }
+
+
+def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None) -> LMData:
+    """Split ``split`` of ``--data`` (the built-in corpus by default) as the run's settings
+    read it; ``symbols`` from a checkpoint must agree with its vocabulary."""
+    settings = config.data
+    return load_lm_data(
+        settings.data, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
+        sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
+        symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
+    )
 
 
 def load_lm_data(

@@ -22,12 +22,10 @@ from distlm.compile import apply_compile
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
-from distlm.parallel import comm_hooks
-from distlm.parallel.ddp import apply_ddp
+from distlm.parallel.ddp import apply_ddp, build_comm_hook
 from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
 from distlm.parallel.full_state import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
-from distlm.parallel.mpi_transport import mpi_transport_factory
 from distlm.parallel.names import single_device_name
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
 
@@ -100,7 +98,9 @@ def parallelize(
         # averages the tensor-parallel shards' gradients over the dp group as DDP would.
         model = apply_replicate(model, mesh["dp"])
     elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
-        hook, double_buffer = build_comm_hook(options, dims, device.type)
+        hook, double_buffer = build_comm_hook(
+            options.comm_hook, options.comm_transport, options.double_buffering, dims.dp_group(device.type),
+            device.type, options.ranks_per_node, options.node_of_rank)
         model = apply_ddp(model, device, dims.dp_group(device.type), options.bucket_cap_mb, hook, double_buffer)
         logger.info(
             "applied DDP over %d replicas, bucket_cap_mb=%g, comm hook %s%s%s",
@@ -185,27 +185,3 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     for index, block in enumerate(blocks):
         blocks[index] = checkpoint_wrapper(block)
     logger.info("applied activation checkpointing to %d blocks", len(blocks))
-
-
-def build_comm_hook(
-    options: ParallelOptions, dims: ParallelDims, device_type: str
-) -> tuple[Callable | None, comm_hooks.DoubleBufferState | None]:
-    """The DDP communication hook for the options, and the double-buffering state if any.
-
-    ``(None, None)`` means DDP's built-in C++ all-reduce, which is exactly ``allreduce``
-    over the process group; every other choice is a Python hook from comm_hooks.py.
-    """
-    if options.comm_hook == "allreduce" and options.comm_transport == "torch" and not options.double_buffering:
-        return None, None
-    transport_factory = mpi_transport_factory(device_type) if options.comm_transport == "mpi" else None
-    reducer = comm_hooks.build_reducer(
-        options.comm_hook,
-        dims.dp_group(device_type),
-        ranks_per_node=options.ranks_per_node,
-        node_of_rank=options.node_of_rank,
-        device_type=device_type,
-        inter_transport_factory=transport_factory,
-    )
-    if options.double_buffering:
-        return comm_hooks.double_buffered_hook(reducer)
-    return comm_hooks.ddp_hook(reducer), None

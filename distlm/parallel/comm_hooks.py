@@ -1,13 +1,11 @@
-"""Gradient-reduction algorithms as DDP communication hooks (ChainerMN's leaf communicators).
-
-Three layers, each small:
+"""Gradient-reduction algorithms for DDP's communication hooks (ChainerMN's leaf communicators).
 
 * a **transport** does one flat in-place all-reduce (sum) over one group:
   ``TorchTransport`` (gloo on CPU, NCCL on CUDA); an MPI one plugs in with the same members;
 * a **reducer** ``reduce(flat) -> Future[flat averaged over the data-parallel ranks]`` is one
-  algorithm: plain, half precision, hierarchical (optionally half precision between nodes);
-* **hooks** adapt a reducer to DDP: ``ddp_hook`` (the averaged bucket now) and
-  ``double_buffered_hook`` (ChainerMN double buffering: the averaged bucket of the step before).
+  algorithm: plain, half precision, hierarchical (optionally half precision between nodes).
+
+parallel/ddp.py wraps a reducer into DDP's hook (optionally double-buffered) and registers it.
 
 Every collective is issued in the reducer's body, never inside a ``Future.then`` callback:
 on gloo, collectives issued from callbacks fail at random ("Received data size doesn't match
@@ -77,7 +75,7 @@ def _then(future: Future, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor
     return future.then(callback)
 
 
-def _completed(tensor: torch.Tensor) -> Future[torch.Tensor]:
+def completed(tensor: torch.Tensor) -> Future[torch.Tensor]:
     future: Future[torch.Tensor] = Future()
     future.set_result(tensor)
     return future
@@ -182,7 +180,7 @@ class HierarchicalReducer:
 
     def _inter_leg(self, shard: torch.Tensor) -> Future[torch.Tensor]:
         if self.inter is None:
-            return _completed(shard)
+            return completed(shard)
         if self.half_dtype is None:
             return self.inter.all_reduce_sum(shard)
         return _half_sum(self.inter, shard, self.half_dtype)
@@ -276,108 +274,3 @@ def build_reducer(
     # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
     inter_transport = make_transport(inter) if num_nodes > 1 else None
     return hierarchical_reducer(intra, inter_transport, DTYPES.get(kind.removeprefix("hierarchical-")))
-
-
-# ---------------------------------------------------------------------------------------
-# DDP hooks
-# ---------------------------------------------------------------------------------------
-
-
-def ddp_hook(reducer: Reducer) -> Callable[[object, dist.GradBucket], Future[torch.Tensor]]:
-    """A DDP communication hook averaging each bucket with ``reducer``.
-
-    Register with ``model.register_comm_hook(None, ddp_hook(reducer))``. The reducer
-    divides by the world size itself, as DDP's default does (a hook replaces that).
-    """
-
-    def hook(state, bucket):  # no annotations: see double_buffered_allreduce_hook
-        return reducer(bucket.buffer())
-
-    hook.__name__ = hook.__qualname__ = f"distlm_{type(reducer).__name__}_hook"
-    return hook
-
-
-class DoubleBufferState:
-    """State of ``double_buffered_hook``: the in-flight reductions of the last backward.
-
-    Stale results are kept per parameter, not per bucket index: DDP rebuilds its buckets
-    after the first iteration (in the order gradients became ready), so bucket ``i`` of
-    step 2 generally holds other parameters than bucket ``i`` of step 1.
-    """
-
-    def __init__(self, reducer: Reducer) -> None:
-        self.reducer = reducer
-        # id(param) -> (future of the averaged copy of its bucket, offset of param in it, numel)
-        self._pending: dict[int, tuple[Future[torch.Tensor], int, int]] = {}
-        # Parameters whose latest hook call returned zeros (no previous result existed).
-        self._without_previous: set[int] = set()
-        self._seen = False
-
-    @property
-    def first_step(self) -> bool:
-        """True when the latest backward delivered zeros for some parameter, having no
-        previous step's result for it: after the very first backward (and before any).
-        The trainer skips (and logs) that update."""
-        return not self.has_stale_gradients()
-
-    def has_stale_gradients(self) -> bool:
-        """True when the latest backward delivered, for every parameter, the averaged
-        gradient of the backward before it: the update may be applied."""
-        return self._seen and not self._without_previous
-
-    def wait_pending(self) -> None:
-        """Wait for the reductions still in flight (before a checkpoint or at the end, so no
-        collective is left running). Their results stay pending for the next step."""
-        for future in {id(f): f for f, _, _ in self._pending.values()}.values():
-            future.wait()
-
-    def hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        base = buffer.data_ptr()
-        itemsize = buffer.element_size()
-        # (param id, offset, numel) in this bucket's layout; gradients() are views of the buffer.
-        layout = [
-            (id(param), (grad.data_ptr() - base) // itemsize, grad.numel())
-            for param, grad in zip(bucket.parameters(), bucket.gradients())
-        ]
-        previous = [self._pending.get(key) for key, _, _ in layout]
-
-        # DDP reuses the bucket buffer for the next backward: reduce a copy of it, issued now.
-        future = self.reducer(buffer.clone())
-        for key, offset, numel in layout:
-            self._pending[key] = (future, offset, numel)
-
-        self._seen = True
-        stale = torch.zeros_like(buffer)
-        for (key, offset, numel), entry in zip(layout, previous):
-            if entry is None:
-                self._without_previous.add(key)
-                continue
-            self._without_previous.discard(key)
-            old_future, old_offset, old_numel = entry
-            assert old_numel == numel, "a parameter changed size between steps"
-            stale[offset : offset + numel].copy_(old_future.wait()[old_offset : old_offset + numel])
-        return _completed(stale)
-
-
-def double_buffered_allreduce_hook(state, bucket):
-    """DDP hook: issue this step's reduction of ``bucket`` and return the previous step's.
-
-    ``state`` is a ``DoubleBufferState``, ``bucket`` a ``dist.GradBucket``. Hooks carry no
-    annotations: DDP compares them with the real classes, and this module's postponed
-    (string) annotations would fail that check."""
-    return state.hook(bucket)
-
-
-def double_buffered_hook(reducer: Reducer) -> tuple[Callable[..., Future[torch.Tensor]], DoubleBufferState]:
-    """ChainerMN double buffering around any reducer: ``(hook, state)`` for
-    ``model.register_comm_hook(state, hook)``.
-
-    The update of step t applies the averaged gradients of step t-1 while step t's
-    reduction runs in the background (one step of staleness). After the first backward
-    every gradient is zero and ``state.first_step`` is True: skip that update, since
-    weight decay or momentum would still move the weights. Costs one extra copy of the
-    gradients (the copy being reduced) plus the zero-filled result per bucket.
-    """
-    state = DoubleBufferState(reducer)
-    return double_buffered_allreduce_hook, state

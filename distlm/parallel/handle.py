@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distlm.mesh import ParallelDims
 from distlm.optim import AdamWSettings, build_optimizer
-from distlm.parallel.comm_hooks import DoubleBufferState
+from distlm.parallel.ddp import DoubleBufferState
 from distlm.parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
 from distlm.parallel.tp import local_value, loss_context
 from distlm.parallel.zero1 import build_zero1_optimizer

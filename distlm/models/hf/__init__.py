@@ -2,14 +2,8 @@
 tensor by tensor, so an 8B model streams with one tensor in memory and a rank can load
 only the tensors (or rows) it holds.
 
-One adapter module per model, the single place where its mapping details live:
-``hf/llama.py`` (LlamaForCausalLM) and ``hf/roberta.py`` (RobertaForMaskedLM). Each offers
-
-``config_from_hf(hf_config)``                 -> (distlm config, SpecialTokens); refuses what distlm cannot represent
-``config_to_hf(config, tokens, dtype)``       -> the ``config.json`` dict
-``generation_config(tokens)``                 -> the ``generation_config.json`` dict, or None (masked LM)
-``import_part(config, name, read, region)``   -> distlm tensor ``name``, or its ``region`` only (a rank's shard), reading little more
-``export_tensors(config, name, tensor)``      -> the (hf_name, tensor) pairs made from one distlm tensor
+One ``HFAdapter`` per model (``hf/common.py``), the single place where its mapping details
+live: ``hf/llama.py`` (LlamaForCausalLM) and ``hf/roberta.py`` (RobertaForMaskedLM).
 
 Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).
 ``load_hf_model`` and ``write_hf_directory`` below put the pieces together; ``io`` reads
@@ -21,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -29,14 +22,15 @@ from torch import nn
 
 from distlm.errors import UsageError
 from distlm.models.hf import io, llama, roberta
-from distlm.models.hf.common import Fetch, Region, SpecialTokens, refuse
+from distlm.models.hf.common import Fetch, HFAdapter, Region, SpecialTokens, refuse
 
 logger = logging.getLogger("distlm")
 
-ADAPTERS: dict[str, ModuleType] = {llama.MODEL_TYPE: llama, roberta.MODEL_TYPE: roberta}
+ADAPTERS: dict[str, HFAdapter] = {adapter.model_type: adapter for adapter in (llama.ADAPTER, roberta.ADAPTER)}
 
 __all__ = [
     "ADAPTERS",
+    "HFAdapter",
     "SpecialTokens",
     "adapter_for",
     "adapter_for_hf",
@@ -50,19 +44,19 @@ __all__ = [
 ]
 
 
-def adapter_for_hf(hf_config: dict[str, Any]) -> ModuleType:
-    """The adapter module for a ``config.json``'s ``model_type``."""
+def adapter_for_hf(hf_config: dict[str, Any]) -> HFAdapter:
+    """The adapter for a ``config.json``'s ``model_type``."""
     model_type = hf_config.get("model_type")
     if model_type not in ADAPTERS:
-        supported = ", ".join(f"{name} ({adapter.ARCHITECTURE})" for name, adapter in ADAPTERS.items())
+        supported = ", ".join(f"{name} ({adapter.architecture})" for name, adapter in ADAPTERS.items())
         raise refuse("model_type", model_type, f"distlm converts only {supported}")
     return ADAPTERS[model_type]
 
 
-def adapter_for(config: object) -> ModuleType:
-    """The adapter module for a distlm model config."""
+def adapter_for(config: object) -> HFAdapter:
+    """The adapter for a distlm model config."""
     for adapter in ADAPTERS.values():
-        if isinstance(config, adapter.CONFIG_CLASS):
+        if isinstance(config, adapter.config_class):
             return adapter
     raise UsageError(f"a {type(config).__name__} has no Hugging Face adapter; distlm exports Llama and RoBERTa models")
 
@@ -71,7 +65,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> tuple[type[nn.Module], Any, Spe
     """(distlm model class, its config, the special token ids) of a Hugging Face ``config.json``."""
     adapter = adapter_for_hf(hf_config)
     config, tokens = adapter.config_from_hf(hf_config)
-    return adapter.MODEL_CLASS, config, tokens
+    return adapter.model_class, config, tokens
 
 
 def config_to_hf(config: Any, tokens: SpecialTokens, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -91,7 +85,7 @@ def hf_tensor_specs(config: Any, distlm_tensors: Mapping[str, torch.Tensor]) -> 
     adapter = adapter_for(config)
     specs: dict[str, tuple[io.TensorSpec, str]] = {}
     for name, tensor in distlm_tensors.items():
-        for hf_name, hf_tensor in adapter.export_tensors(config, name, _meta(tensor)):
+        for hf_name, hf_tensor in adapter.to_hf(config, name, _meta(tensor)):
             specs[hf_name] = (io.TensorSpec.of(hf_name, hf_tensor), name)
     return specs
 
@@ -110,7 +104,7 @@ def load_hf_model(
     adapter = adapter_for_hf(hf_config)
     config, tokens = adapter.config_from_hf(hf_config)
     with torch.device("meta"):
-        model = adapter.MODEL_CLASS(config)
+        model = adapter.model_class(config)
     model.to_empty(device=device)
     model.to(dtype=dtype)
     used: set[str] = set()
@@ -122,7 +116,7 @@ def load_hf_model(
         unused = sorted(set(weights) - used)
     model.init_buffers()
     if unused:
-        logger.info("%s: %d tensors unused by distlm's %s: %s", directory, len(unused), adapter.MODEL_CLASS.__name__,
+        logger.info("%s: %d tensors unused by distlm's %s: %s", directory, len(unused), adapter.model_class.__name__,
                     ", ".join(unused))
     return model, tokens
 
@@ -133,7 +127,7 @@ def tensor_loader(
     """``load(name, region=None)``: distlm tensor ``name`` of a ``config`` model, or only its
     ``region`` (a rank's shard, one slice per dimension), read from the open ``weights`` of
     ``directory``. A region reads little more than itself from disk (see each adapter's
-    ``import_part``).
+    ``from_hf``).
 
     Each Hugging Face tensor's shape is checked against the one ``config`` implies before
     any of it is read; a tensor missing or misshapen is a UsageError naming it. ``used``
@@ -142,7 +136,7 @@ def tensor_loader(
     directory = Path(directory)
     adapter = adapter_for(config)
     with torch.device("meta"):
-        shapes_of = adapter.MODEL_CLASS(config).state_dict()
+        shapes_of = adapter.model_class(config).state_dict()
     expected = {hf_name: spec.shape for hf_name, (spec, _) in hf_tensor_specs(config, shapes_of).items()}
 
     def read(hf_name: str, region: Region | None) -> torch.Tensor:
@@ -157,11 +151,11 @@ def tensor_loader(
 
     def load(name: str, region: Region | None = None) -> torch.Tensor:
         try:
-            return adapter.import_part(config, name, read, region)
+            return adapter.from_hf(config, name, read, region)
         except KeyError as missing:
             raise UsageError(
                 f"{directory}: no tensor {missing.args[0]} (distlm's {name} is made from it); "
-                f"the weights are not those of the {adapter.ARCHITECTURE} config.json describes"
+                f"the weights are not those of the {adapter.architecture} config.json describes"
             ) from None
 
     return load
@@ -192,7 +186,7 @@ def write_hf_directory(
 
     def fetch_hf(hf_name: str) -> torch.Tensor:
         source = specs[hf_name][1]
-        return dict(adapter.export_tensors(config, source, fetch(source)))[hf_name]
+        return dict(adapter.to_hf(config, source, fetch(source)))[hf_name]
 
     paths = io.write_safetensors(directory, [spec for spec, _ in specs.values()], fetch_hf, max_shard_size)
     dtype = next(iter(specs.values()))[0].dtype

@@ -1,12 +1,13 @@
-"""What the per-model adapters share: special token ids, the tensor-fetch and part-read
-signatures, and one-line refusals of Hugging Face settings distlm cannot represent."""
+"""What the per-model adapters share: the adapter type, special token ids, the tensor-fetch
+and part-read signatures, and one-line refusals of Hugging Face settings distlm cannot represent."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 from distlm.errors import UsageError
 
@@ -74,3 +75,28 @@ def require(hf_config: dict[str, Any], defaults: dict[str, Any], key: str, allow
     value = setting(hf_config, defaults, key)
     if value not in allowed:
         raise refuse(key, value, why)
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """One Hugging Face model type and distlm's model of it: the single place where the
+    mapping between the two lives (an instance per model, ``hf/llama.py`` and ``hf/roberta.py``).
+    Tensor names are the single-device model's (``state_dict()`` keys of an unwrapped model)."""
+
+    model_type: str
+    """``config.json``'s ``model_type``."""
+    architecture: str
+    """The transformers class the weights are laid out for, e.g. ``LlamaForCausalLM``."""
+    model_class: type[nn.Module]
+    config_class: type
+    config_from_hf: Callable[[dict[str, Any]], tuple[Any, SpecialTokens]]
+    """``config.json`` -> (distlm config, SpecialTokens); refuses what distlm cannot represent."""
+    config_to_hf: Callable[[Any, SpecialTokens, torch.dtype], dict[str, Any]]
+    """(config, tokens, dtype) -> the ``config.json`` dict."""
+    generation_config: Callable[[SpecialTokens], dict[str, Any] | None]
+    """The ``generation_config.json`` dict, or None (a masked LM has none)."""
+    from_hf: Callable[[Any, str, Read, Region | None], torch.Tensor]
+    """(config, name, read, region) -> distlm tensor ``name``, or only its ``region`` (a rank's
+    shard), reading little more than that."""
+    to_hf: Callable[[Any, str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]]
+    """(config, name, tensor) -> the (Hugging Face name, tensor) pairs made from one distlm tensor."""

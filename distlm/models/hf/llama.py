@@ -55,6 +55,7 @@ import torch
 
 from distlm.errors import UsageError
 from distlm.models.hf.common import (
+    HFAdapter,
     Read,
     Region,
     SpecialTokens,
@@ -312,3 +313,10 @@ def export_tensors(config: LlamaConfig, name: str, tensor: torch.Tensor) -> Iter
     """
     heads = _rotary_heads(config, name)
     yield hf_name(name), tensor if heads is None else to_rotate_half(tensor, heads)
+
+
+ADAPTER = HFAdapter(
+    model_type=MODEL_TYPE, architecture=ARCHITECTURE, model_class=MODEL_CLASS, config_class=CONFIG_CLASS,
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, generation_config=generation_config,
+    from_hf=import_part, to_hf=export_tensors,
+)

@@ -53,6 +53,7 @@ import torch
 
 from distlm.errors import UsageError
 from distlm.models.hf.common import (
+    HFAdapter,
     Read,
     Region,
     SpecialTokens,
@@ -252,3 +253,10 @@ def export_tensors(config: RobertaConfig, name: str, tensor: torch.Tensor) -> It
     yield hf_name(name), tensor
     if name == "embed_positions.weight":
         yield TOKEN_TYPES, torch.zeros(1, tensor.shape[1], dtype=tensor.dtype, device=tensor.device)
+
+
+ADAPTER = HFAdapter(
+    model_type=MODEL_TYPE, architecture=ARCHITECTURE, model_class=MODEL_CLASS, config_class=CONFIG_CLASS,
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, generation_config=generation_config,
+    from_hf=import_part, to_hf=export_tensors,
+)
