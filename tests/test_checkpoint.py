@@ -103,10 +103,10 @@ class SaveSpy:
         self.calls: list[tuple[int, list[str]]] = []
         original = Checkpointer.save
 
-        def save(checkpointer, names, progress, *args, **kwargs):
+        def save(checkpointer, names, states, *args, **kwargs):
             if names:
-                self.calls.append((progress.num_updates, list(names)))
-            return original(checkpointer, names, progress, *args, **kwargs)
+                self.calls.append((states["progress"].num_updates, list(names)))
+            return original(checkpointer, names, states, *args, **kwargs)
 
         if monkeypatch is not None:
             monkeypatch.setattr(Checkpointer, "save", save)
