@@ -329,12 +329,14 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     return root / "two", run_distributed(_two_rank_job, 2, str(root), timeout=240)
 
 
-def test_a_flipped_byte_is_refused_on_two_ranks(two_ranks):
+def test_a_flipped_byte_is_refused_on_two_ranks_and_at_export(two_ranks, tmp_path, capsys):
     save, ranks = two_ranks
+    shard = save / checkpoint.LAST / "__1_0.distcp"
     for result in ranks:
         assert result["refused"] is not None, "resumed from a damaged checkpoint"
-        assert str(save / checkpoint.LAST / "__1_0.distcp") in result["refused"]
-        assert "--restore-file checkpoint_1" in result["refused"]
+        assert str(shard) in result["refused"] and "--restore-file checkpoint_1" in result["refused"]
+    code, lines = run_export(["--checkpoint", str(save), "--hf", str(tmp_path / "hf")], capsys)
+    assert code == 2 and len(lines) == 1 and str(shard) in lines[0], lines
 
 
 def test_a_resume_into_fewer_layers_is_refused_and_a_partial_finetune_lists_what_it_left_out(two_ranks, tmp_path,
