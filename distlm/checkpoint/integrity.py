@@ -19,18 +19,13 @@ from distlm.checkpoint import directory
 from distlm.errors import UsageError
 
 FILES_KEY = "files"
-_CHUNK = 4 << 20
 
 
 def digest(path: Path) -> dict[str, Any]:
-    """Size and SHA-256 of one file, read in chunks."""
-    sha = hashlib.sha256()
-    size = 0
+    """Size and SHA-256 of one file, streamed through one small buffer (a save's peak memory stays put)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": sha.hexdigest()}
+        sha = hashlib.file_digest(f, "sha256")
+        return {"size": f.tell(), "sha256": sha.hexdigest()}
 
 
 def written_by(staged: Path, rank: int) -> list[str]:
