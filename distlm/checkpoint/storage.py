@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ _METADATA_CLASSES = {
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+    ("collections", "OrderedDict"): OrderedDict,
 }
 
 
