@@ -130,8 +130,7 @@ class Bench:
     def save(self, mode: str) -> None:
         trainer = self.trainer
         # No description beyond the training state (config, dictionary): a few kB, not measured here.
-        self.checkpointers[mode].save([LAST], trainer.progress, trainer.model, trainer.optimizer,
-                                      trainer.precision.scaler, {})
+        self.checkpointers[mode].save([LAST], trainer.states, {})
 
     def stall_round(self, mode: str, steps: int) -> dict[str, float]:
         """``steps`` updates after a save (none for the baseline), until the save is on disk."""
@@ -160,7 +159,7 @@ class Bench:
         trainer = self.trainer
         with PeakResidentBytes() as loading:
             start = time.perf_counter()
-            checkpointer.load(resume, trainer.model, trainer.optimizer, trainer.precision.scaler, trainer.config.seed)
+            checkpointer.load(resume, trainer.states, trainer.config.seed)
             dist.barrier()
             loaded = time.perf_counter() - start
         return {"save_s": saved, "load_s": loaded, "save_peak_bytes": saving.bytes, "load_peak_bytes": loading.bytes}

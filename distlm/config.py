@@ -222,6 +222,10 @@ class CheckpointConfig:
     """Start the wall-clock meters afresh."""
     finetune_from_model: str | None = None
     """Start from this checkpoint's weights only (when --save-dir holds no checkpoint to resume)."""
+    load_partial: bool = False
+    """With --finetune-from-model: load the weights whose name and shape the model shares with the checkpoint, list the rest."""
+    no_verify_checkpoint: bool = False
+    """Do not verify the checksums of a checkpoint's files when resuming from it (said in the log)."""
     no_save: bool = False
     """Neither save nor resume checkpoints."""
     best_checkpoint_metric: str = "loss"
@@ -609,6 +613,8 @@ def check_settings(config: TrainConfig) -> None:
         raise UsageError("--memory-efficient-fp16 is an fp16 mode; it cannot be combined with --bf16")
     if config.checkpoint.finetune_from_model and config.checkpoint.restore_file != "checkpoint_last":
         raise UsageError("--finetune-from-model and --restore-file both name a starting checkpoint; give one")
+    if config.checkpoint.load_partial and not config.checkpoint.finetune_from_model:
+        raise UsageError("--load-partial applies to --finetune-from-model only; name the checkpoint to take weights from")
     if config.compile.precompile and not config.compile.compile:
         config.compile.compile = True  # precompiling is compiling
 

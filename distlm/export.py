@@ -26,12 +26,12 @@ from distlm.hf_export import export_hf
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 
 
-def export(checkpoint_path: str, out: str) -> Path:
+def export(checkpoint_path: str, out: str, verify: bool = True) -> Path:
     target = Path(out)
     if target.is_dir():
         raise UsageError(f"--out {out} is a directory; name the .safetensors file to write")
     try:
-        reader = CheckpointReader(checkpoint_path)
+        reader = CheckpointReader(checkpoint_path, verify=verify)
     except UsageError as err:
         raise UsageError(f"--checkpoint {err}") from None
     meta = reader.meta
@@ -70,13 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Hugging Face model directory: config.json, sharded safetensors, tokenizer files")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help=f"with --hf: largest safetensors file, e.g. 5GB or 500MB (default: {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument("--no-verify-checkpoint", action="store_true",
+                        help="do not verify the checkpoint's files against the checksums its save recorded")
     try:
         args = parser.parse_args(argv)
         if args.hf is not None:
-            export_hf(args.checkpoint, args.hf, args.max_shard_size)
+            export_hf(args.checkpoint, args.hf, args.max_shard_size, verify=not args.no_verify_checkpoint)
             path = Path(args.hf)
         else:
-            path = export(args.checkpoint, args.out)
+            path = export(args.checkpoint, args.out, verify=not args.no_verify_checkpoint)
     except UsageError as exc:
         print(f"distlm.export: error: {exc}", file=sys.stderr)
         return UsageError.exit_code

@@ -23,10 +23,12 @@ from distlm.models.registry import FAMILY_CONFIGS
 logger = logging.getLogger("distlm")
 
 
-def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
-    """Write ``out_dir`` from a checkpoint (directory, save dir or old single file); returns the files."""
+def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+              verify: bool = True) -> list[Path]:
+    """Write ``out_dir`` from a checkpoint (directory, save dir or old single file); returns the files.
+    ``verify``: check the checkpoint's files against their recorded checksums first."""
     parse_size(max_shard_size)  # a bad size fails before anything is read
-    reader = CheckpointReader(checkpoint_path)
+    reader = CheckpointReader(checkpoint_path, verify=verify)
     meta = reader.meta
     family, model_config = meta.get("family"), meta.get("model_config")
     if family not in FAMILY_CONFIGS or model_config is None:

@@ -16,9 +16,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.builder import build_model_for_run, log_start, resolve_model_spec
-from distlm.checkpoint import BEST, Checkpointer, TrainProgress
+from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import GlobalBatchSampler, load_split
@@ -47,11 +48,12 @@ class Trainer:
     ``collate(pairs) -> {"input_ids", "targets", "ntokens"}`` where ``pairs`` are
     ``(epoch, index)`` and targets are -100 where there is nothing to predict.
     By default both come from ``--arch`` and ``--data``. ``dist`` reuses a context
-    from ``distlm.distributed.init_distributed``.
+    from ``distlm.distributed.init_distributed``. ``states``: more ``Stateful`` objects
+    for the checkpoint to save and resume, by name.
     """
 
     def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, train_data: Any = None,
-                 dist: DistContext | None = None):
+                 dist: DistContext | None = None, states: dict[str, Stateful] | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
         # The spec validation checked; a context the caller made may have checked another config.
@@ -69,7 +71,7 @@ class Trainer:
         build = build_model_for_run(
             self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
             self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
-            weights_from_checkpoint=resume is not None,
+            weights_from_checkpoint=resume is not None and not config.checkpoint.load_partial,
         )
         self.model_inputs = ModelInputs.of(build.model, self.task)
         self.fixed_length = config.data.tokens_per_sample if (
@@ -94,11 +96,14 @@ class Trainer:
         epoch_updates = math.ceil(config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size)
         self.schedule = LRSchedule(config.optim, updates_in_run=epoch_updates)
         self.progress = TrainProgress()
+        self.states = training_states(self.model, self.optimizer, self.precision.scaler, self.progress, self.ctx.rank)
+        """What a checkpoint holds, by name (``torch.distributed.checkpoint.stateful.Stateful`` objects)."""
+        self.states.update(states or {})
         self.last_memory: dict[str, int] = {}
         self.resumed_at: int | None = None
         """The update this run resumed at; None for a fresh start."""
         if resume is not None:
-            self.progress = self.checkpointer.load(resume, self.model, self.optimizer, self.precision.scaler, config.seed)
+            self.checkpointer.load(resume, self.states, config.seed, config.to_dict())
             self.resumed_at = self.progress.num_updates
         else:
             # Dropout differs per data-parallel replica, yet reproducibly; the tensor-parallel
@@ -130,11 +135,13 @@ class Trainer:
                 if compiling is not None:
                     compiling.log()
                     compiling = None
+            with self.ctx.naming_failed_collectives(self.progress.num_updates):
+                self.handle.wait_pending()
+                self.checkpointer.wait()
         finally:
             printer.close()
+            self.checkpointer.close()
         with self.ctx.naming_failed_collectives(self.progress.num_updates):
-            self.handle.wait_pending()
-            self.checkpointer.wait()
             final = {**self.summary, "update": self.progress.num_updates,
                      "consumed_samples": self.progress.consumed_samples,
                      "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
@@ -167,6 +174,7 @@ class Trainer:
     def precompile(self) -> str:
         """``--precompile``: fill the compile cache with every graph a run needs, save nothing."""
         line = precompile(self)
+        self.checkpointer.close()
         self.handle.wait_pending()
         self.ctx.close()
         return line
@@ -193,8 +201,7 @@ class Trainer:
         # In-flight gradients are not saved: a resumed run refills the pipeline with one
         # update that applies nothing, as the first update of any run does.
         self.handle.wait_pending()
-        self.checkpointer.save(names, self.progress, self.model, self.optimizer, self.precision.scaler,
-                               describe_run(self.config, self.data, self.model, self.spec),
+        self.checkpointer.save(names, self.states, describe_run(self.config, self.data, self.model, self.spec),
                                tokenizer_writer(self.data, self.task))
 
     def _done(self) -> bool:

@@ -103,10 +103,10 @@ class SaveSpy:
         self.calls: list[tuple[int, list[str]]] = []
         original = Checkpointer.save
 
-        def save(checkpointer, names, progress, *args, **kwargs):
+        def save(checkpointer, names, states, *args, **kwargs):
             if names:
-                self.calls.append((progress.num_updates, list(names)))
-            return original(checkpointer, names, progress, *args, **kwargs)
+                self.calls.append((states["progress"].num_updates, list(names)))
+            return original(checkpointer, names, states, *args, **kwargs)
 
         if monkeypatch is not None:
             monkeypatch.setattr(Checkpointer, "save", save)
@@ -235,7 +235,26 @@ def _two_rank_job(data: str, root: str, zero1_tp2_checkpoint: str) -> dict:
     fit(train_args(data, root / "double-buffering", 2, ["--double-buffering"], interval=1, arch="roberta_tiny"))
     out["double_buffering_saves"] = list(spy.calls)
     out["disk_full"] = _fill_the_disk_on_rank_1(data, root / "disk-full")
+    out["flipped"] = _resume_after_a_flipped_byte(data, root / "fsdp" / "straight", root / "flipped")
     return out
+
+
+def _resume_after_a_flipped_byte(data: str, source: Path, save_dir: Path) -> str:
+    """A copy of an fsdp save dir with one byte of rank 1's shard of checkpoint_last flipped."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.copytree(source, save_dir)
+        shard = save_dir / checkpoint.LAST / "__1_0.distcp"
+        data_bytes = bytearray(shard.read_bytes())
+        data_bytes[len(data_bytes) // 2] ^= 0x10
+        shard.write_bytes(data_bytes)
+    dist.barrier()
+    try:
+        Trainer(parse_args(train_args(data, save_dir, 2 * HALF + 1, ["--strategy", "fsdp"])))
+    except UsageError as err:
+        return str(err)
+    return "resumed"
 
 
 def _write_single_file_copy(source: Path, save_dir: Path) -> None:
@@ -386,6 +405,16 @@ def test_a_disk_that_fills_on_one_rank_ends_the_run_and_keeps_the_previous_check
     assert checkpoint.load(save_dir / checkpoint.numbered(1))["num_updates"] == 1
     assert not (save_dir / checkpoint.numbered(2)).exists()
     assert not list(save_dir.glob(".incomplete-*"))  # removed at once, not left to the next start
+
+
+def test_a_flipped_byte_is_refused_on_two_ranks_and_at_export(two_rank_runs, tmp_path, capsys):
+    root, results = two_rank_runs
+    shard = root / "flipped" / checkpoint.LAST / "__1_0.distcp"
+    for message in (r["flipped"] for r in results):
+        assert str(shard) in message and f"--restore-file {checkpoint.numbered(HALF)}" in message, message
+    assert export.main(["--checkpoint", str(root / "flipped"), "--out", str(tmp_path / "out.safetensors")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(shard) in lines[0], lines
 
 
 # ----------------------------------------------------------- memory of each rank

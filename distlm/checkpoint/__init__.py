@@ -1,6 +1,7 @@
-"""Checkpoints: sharded save and load for any layout, atomic directories, offline reading."""
+"""Checkpoints: sharded save and load of Stateful objects for any layout, atomic directories, checksums,
+one owner per save dir, safe offline reading."""
 
-from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError, Resume, TrainProgress
+from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError, Resume, TrainProgress, training_states
 from distlm.checkpoint.directory import BEST, LAST, TOKENIZER_DIR, epoch_name, numbered
 from distlm.checkpoint.reader import CheckpointReader, load, resolve
 
@@ -17,4 +18,5 @@ __all__ = [
     "load",
     "numbered",
     "resolve",
+    "training_states",
 ]

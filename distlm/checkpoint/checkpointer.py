@@ -23,24 +23,19 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
-from distlm.checkpoint import directory, legacy
+from distlm.checkpoint import compare, directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
-from distlm.checkpoint.state import (
-    capture_rng,
-    load_full_optimizer_state,
-    load_model_state,
-    model_state,
-    optimizer_state,
-    optimizer_state_to_load,
-    restore_rng,
-)
+from distlm.checkpoint.lock import SaveDirLock
+from distlm.checkpoint.state import ModelState, OptimizerState, RNGState, load_full_optimizer_state
 from distlm.config import CheckpointConfig
 from distlm.distributed import DistContext
 from distlm.errors import UsageError
@@ -48,7 +43,10 @@ from distlm.parallel.full_state import load_full_state_dict
 
 logger = logging.getLogger("distlm")
 
-
+# The names of the training state in a checkpoint. Any other Stateful registered beside
+# them is saved and resumed the same way: tensors in the shards under its name, a state
+# without tensors in distlm.json under its name.
+MODEL, OPTIMIZER, SCALER, PROGRESS, RNG = "model", "optimizer", "scaler", "progress", "rng"
 
 class CheckpointError(UsageError, RuntimeError):
     """Saving failed (a full disk, a write error); the message names the path, and the previous checkpoint is intact.
@@ -69,13 +67,25 @@ class TrainProgress:
     validations_without_improvement: int = 0
     train_wall: float = 0.0
 
-    @classmethod
-    def from_saved(cls, saved: dict[str, Any]) -> TrainProgress:
-        """The progress a checkpoint recorded. Keys this version does not keep are dropped:
-        ``lr_schedule_start``, written by earlier versions, is one (the schedule follows
-        the update count)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in saved.items() if key in known})
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take the progress a checkpoint recorded. Keys this version does not keep are
+        dropped: ``lr_schedule_start``, written by earlier versions, is one (the schedule
+        follows the update count)."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, saved.get(field.name, field.default))
+
+
+def training_states(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, progress: TrainProgress,
+                    rank: int) -> dict[str, Stateful]:
+    """The Stateful objects of a training run, by their names in the checkpoint."""
+    states: dict[str, Stateful] = {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, optimizer),
+                                   PROGRESS: progress, RNG: RNGState(rank)}
+    if scaler is not None:
+        states[SCALER] = scaler
+    return states
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class Checkpointer:
         self._async_group = None
         self._saved_at: int | None = None
         """The update the newest checkpoint (saved or resumed from) holds: saving it again would repeat it."""
+        self._lock: SaveDirLock | None = None
 
     @property
     def enabled(self) -> bool:
@@ -114,6 +125,13 @@ class Checkpointer:
         if not self.enabled:
             return
         problem = _unusable_save_dir(self.save_dir)
+        if problem is None and self.ctx.is_main:
+            # The lock first: the clean-up below removes what another run's save is writing.
+            try:
+                self._lock = SaveDirLock(self.save_dir)
+                self._lock.acquire()
+            except UsageError as err:
+                self._lock, problem = None, str(err)
         if problem is None and self.ctx.is_main:
             # Before the collective below, so no rank looks for checkpoint_last while rank 0
             # may still be moving it back into place.
@@ -190,6 +208,12 @@ class Checkpointer:
         meta = legacy.read_meta(path) if legacy.is_legacy(path) else meta_file.read(path)
         return Resume(path, meta, weights_only=True)
 
+    def close(self) -> None:
+        """Give up the save dir (rank 0 removes its lock); the run is over."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def announce_last(self) -> None:
         """Rank 0 says where the last checkpoint is and how to export it."""
         last = self.save_dir / directory.LAST
@@ -199,30 +223,37 @@ class Checkpointer:
 
     # ------------------------------------------------------------------- load
 
-    def load(self, resume: Resume, model: nn.Module, optimizer: torch.optim.Optimizer, scaler, seed: int) -> TrainProgress:
-        """Load ``resume`` into this rank's shards (collective); returns where training stands."""
+    def load(self, resume: Resume, states: Mapping[str, Stateful], seed: int,
+             config: dict[str, Any] | None = None) -> None:
+        """Load ``resume`` into ``states`` (collective): the model's shards, and unless only
+        the weights are wanted, every other state the checkpoint holds. ``config``, the
+        run's settings, is compared with the checkpoint's and the changes logged."""
         settings = self.settings
         meta = resume.meta
         weights_only = resume.weights_only
         load_optimizer = not (weights_only or settings.reset_optimizer)
+        same_layout = meta.get("world_size") == self.ctx.world_size and meta.get("layout") == self.ctx.layout
+        skipped = {RNG} if not same_layout else set()
+        if not load_optimizer:
+            skipped |= {OPTIMIZER, SCALER}
+        wanted = [MODEL] if weights_only else [key for key in states if key not in skipped]
         if legacy.is_legacy(resume.path):
-            state = legacy.read(resume.path)
-            load_full_state_dict(model, state["model"])
-            if load_optimizer:
-                load_full_optimizer_state(model, optimizer, state["optimizer"]["state"])
-            rng = state["rng"][self.ctx.rank] if len(state["rng"]) == self.ctx.world_size else None
+            loaded = self._load_legacy(resume.path, states, wanted)
         else:
-            rng = self._load_sharded(resume.path, model, optimizer, load_optimizer)
-        progress = TrainProgress.from_saved(meta["progress"]) if not weights_only else TrainProgress()
+            loaded = self._load_sharded(resume.path, meta, states, wanted, partial=weights_only and settings.load_partial)
+        for key in wanted:
+            # States kept in distlm.json (the progress, the loss scaler, whatever holds no tensor).
+            if key not in loaded and isinstance(meta.get(key), dict):
+                states[key].load_state_dict(meta[key])
+                loaded.add(key)
+        progress: TrainProgress = states[PROGRESS]
         # The reset flags mean what they mean in fairseq. --reset-optimizer also restarts the
         # update count (and with it the schedule); --reset-optimizer and --reset-meters drop
         # the best validation value; --reset-lr-scheduler only skips the scheduler's own
         # state, and distlm's schedules, like fairseq's polynomial_decay, inverse_sqrt and
         # cosine, have none beyond the update count.
         if not load_optimizer:
-            progress = TrainProgress(consumed_samples=progress.consumed_samples)
-        elif scaler is not None and meta.get("scaler") is not None:
-            scaler.load_state_dict(meta["scaler"])
+            progress.load_state_dict({"consumed_samples": progress.consumed_samples})
         if settings.reset_meters:
             progress.best, progress.validations_without_improvement, progress.train_wall = None, 0, 0.0
         if settings.reset_dataloader:
@@ -231,10 +262,7 @@ class Checkpointer:
             logger.info("--reset-lr-scheduler: the learning rate follows the update count (%d)%s, as in fairseq",
                         progress.num_updates,
                         "" if settings.reset_optimizer else "; add --reset-optimizer to restart the count and the schedule")
-        same_layout = meta.get("world_size") == self.ctx.world_size and meta.get("layout") == self.ctx.layout
-        if rng is not None and same_layout and not weights_only:
-            restore_rng(rng)
-        else:
+        if RNG not in loaded:
             # A rank's saved stream belongs to its old place in the layout: restored on a new
             # one, two tp ranks of one replica could draw different dropout masks (and two
             # replicas the same). Reseed by data-parallel rank, as a fresh run seeds.
@@ -249,33 +277,98 @@ class Checkpointer:
         what = "weights of" if weights_only else "resumed from"
         logger.info("%s %s at update %d (%d samples consumed)", what, resume.path, progress.num_updates,
                     progress.consumed_samples)
-        return progress
+        if config is not None and not weights_only and self.ctx.is_main:
+            saved_layout = meta.get("layout")
+            changes = compare.changed_settings(meta.get("config"), config,
+                                               saved_layout.get("dp") if isinstance(saved_layout, dict) else None,
+                                               self.ctx.dims.dp, progress.consumed_samples)
+            if changes:
+                logger.info("%s", changes)
 
-    def _load_sharded(self, path: Path, model: nn.Module, optimizer, load_optimizer: bool) -> dict | None:
-        try:
-            saved = dcp.FileSystemReader(str(path)).read_metadata()
-        except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
-            raise UsageError(f"{path / directory.DCP_METADATA_FILE}: not readable ({_first_line(err)}); "
-                             "the checkpoint is damaged") from None
+    def _load_legacy(self, path: Path, states: Mapping[str, Stateful], wanted: list[str]) -> set[str]:
+        """The old single-file format: whole tensors cut into this rank's shards."""
+        state = legacy.read(path)
+        model: ModelState = states[MODEL]
+        built = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        difference = compare.first_model_difference({n: tuple(t.shape) for n, t in state["model"].items()}, built)
+        if difference is not None:
+            raise UsageError(f"{path} is a checkpoint of another model: {difference}; "
+                             "build the model it was saved from (its settings are in the checkpoint's config)")
+        load_full_state_dict(model.model, state["model"])
+        loaded = {MODEL}
+        if OPTIMIZER in wanted:
+            optimizer: OptimizerState = states[OPTIMIZER]
+            load_full_optimizer_state(optimizer.model, optimizer.optimizer, state["optimizer"]["state"])
+            loaded.add(OPTIMIZER)
+        if RNG in wanted and len(state["rng"]) == self.ctx.world_size:
+            rng: RNGState = states[RNG]
+            rng.load_state_dict({rng.key: state["rng"][self.ctx.rank]})
+            loaded.add(RNG)
+        return loaded
+
+    def _load_sharded(self, path: Path, meta: dict[str, Any], states: Mapping[str, Stateful], wanted: list[str],
+                      partial: bool) -> set[str]:
+        """Load every wanted state the shards hold; returns their names."""
+        saved = storage.read_metadata(path)
         _check_shards_present(path, saved)
-        keys = set(saved.state_dict_metadata)
-        state: dict[str, Any] = {"model": model_state(model)}
-        missing = [f"model.{name}" for name in state["model"] if f"model.{name}" not in keys]
-        if missing:
-            raise UsageError(f"{path} holds no {missing[0]}; it is a checkpoint of another model")
-        if load_optimizer:
-            state["optimizer"] = optimizer_state_to_load(model, optimizer, keys)
-        rng_key = f"rank{self.ctx.rank}"
-        if f"rng.{rng_key}.cpu" in keys:
-            state["rng"] = {rng_key: {name: tensor for name, tensor in capture_rng().items()
-                                      if f"rng.{rng_key}.{name}" in keys}}
+        self._verify(path, meta)
+        entries = saved.state_dict_metadata
+        prefixes = _prefixes(entries)
+        templates: dict[str, Any] = {}
+        for key in wanted:
+            if key not in prefixes:
+                continue  # kept in distlm.json, or not in this checkpoint (a state registered since)
+            template = states[key].state_dict()
+            if key == MODEL:
+                template = self._model_to_load(path, template, entries, partial)
+            template = _present(template, key, entries, prefixes, path)
+            if template:
+                templates[key] = template
         try:
             with _single_process_quiet():
-                dcp.load(state, checkpoint_id=str(path), no_dist=not self.ctx.is_distributed)
+                storage.load(templates, path, no_dist=not self.ctx.is_distributed)
         except dcp.CheckpointException as err:
             raise UsageError(f"{path}: cannot be read ({_first_line(err)})") from None
-        load_model_state(model, state["model"])
-        return state.get("rng", {}).get(rng_key)
+        for key, state in templates.items():
+            states[key].load_state_dict(state)
+        return set(templates)
+
+    def _model_to_load(self, path: Path, template: dict[str, Any], entries: dict[str, Any], partial: bool) -> dict:
+        """The model's state to read: all of it, refused if the checkpoint's model differs,
+        or with --load-partial the weights both share."""
+        for key, md in entries.items():
+            if key.startswith("model.") and isinstance(md, BytesStorageMetadata):
+                storage.refuse_non_tensor(path, key)
+        saved = {key.removeprefix("model."): tuple(md.size) for key, md in entries.items()
+                 if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+        built = {name: tuple(tensor.shape) for name, tensor in template.items()}
+        difference = compare.first_model_difference(saved, built)
+        if difference is None:
+            return template
+        if not partial:
+            hint = ("add --load-partial to load the weights both share" if self.settings.finetune_from_model
+                    else "build the model it was saved from (its settings are in the checkpoint's config), "
+                         "or start from its weights with --finetune-from-model and --load-partial")
+            raise UsageError(f"{path} is a checkpoint of another model: {difference}; {hint}")
+        shared, left_out = compare.shared_weights(saved, built)
+        if self.ctx.is_main:
+            logger.info("--load-partial: %d weights loaded from %s, %d left out: %s", len(shared), path,
+                        len(left_out), ", ".join(left_out))
+        return {name: template[name] for name in shared}
+
+    def _verify(self, path: Path, meta: dict[str, Any]) -> None:
+        """Every file against the checksums the save recorded, each rank a share (collective)."""
+        files = integrity.recorded_files(meta, path)
+        if files is None or self.settings.no_verify_checkpoint:
+            if self.ctx.is_main:
+                logger.info("%s: checksums not verified (%s)", path, "--no-verify-checkpoint" if files is not None
+                            else "the checkpoint was written before checksums were recorded")
+            return
+        names = sorted(files)[self.ctx.rank::self.ctx.world_size]
+        problems = [problem for problem in self.ctx.all_gather_object(integrity.verify(path, files, names))
+                    if problem is not None]
+        if problems:
+            raise UsageError(f"{problems[0]}; {integrity.remedy(path, meta)}")
 
     # ------------------------------------------------------------------- save
 
@@ -312,16 +405,15 @@ class Checkpointer:
     def save(
         self,
         names: list[str],
-        progress: TrainProgress,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler,
+        states: Mapping[str, Stateful],
         describe: dict[str, Any],
         write_extras: Callable[[Path], None] | None = None,
     ) -> None:
-        """Write one checkpoint under ``names`` (collective). ``describe`` adds to distlm.json
-        (dictionary, config); rank 0 calls ``write_extras(directory)`` to add small files
-        (the tokenizer). The next save, or ``wait()``, completes an asynchronous one.
+        """Write ``states`` as one checkpoint under ``names`` (collective): every state with
+        tensors into the shards under its name, every other into distlm.json. ``describe``
+        adds to distlm.json (dictionary, config); rank 0 calls ``write_extras(directory)``
+        to add small files (the tokenizer). The next save, or ``wait()``, completes an
+        asynchronous one.
 
         A failed write ends with ``CheckpointError`` on every rank, a peer lost meanwhile
         with ``CollectiveFailure``: one line each, and the previous checkpoint is intact.
@@ -329,21 +421,18 @@ class Checkpointer:
         if not names or not self.enabled:
             return
         self.wait()
-        with self.ctx.naming_failed_collectives(progress.num_updates):
-            self._save(names, progress, model, optimizer, scaler, describe, write_extras)
+        with self.ctx.naming_failed_collectives(states[PROGRESS].num_updates):
+            self._save(names, states, describe, write_extras)
 
     def _save(
         self,
         names: list[str],
-        progress: TrainProgress,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler,
+        states: Mapping[str, Stateful],
         describe: dict[str, Any],
         write_extras: Callable[[Path], None] | None,
     ) -> None:
         first = names[0]
-        self._saved_at = progress.num_updates
+        self._saved_at = states[PROGRESS].num_updates
         staged = directory.incomplete(self.save_dir, first)
         failure = None
         if self.ctx.is_main:
@@ -361,21 +450,23 @@ class Checkpointer:
             raise CheckpointError(
                 f"saving {first} in {self.save_dir} failed: {failure}; the previous checkpoint is intact"
             )
-        state = {
-            "model": model_state(model),
-            "optimizer": optimizer_state(model, optimizer),
-            "rng": {f"rank{self.ctx.rank}": capture_rng()},
-        }
         meta = {
             "format": meta_file.FORMAT_VERSION,
             "arch": self.arch,
             "task": self.task,
             "world_size": self.ctx.world_size,
             "layout": self.ctx.layout,
-            "progress": dataclasses.asdict(progress),
-            "scaler": scaler.state_dict() if scaler is not None else None,
             **describe,
         }
+        state = {}
+        for key, stateful in states.items():
+            value = stateful.state_dict()
+            if _holds_tensors(value):
+                state[key] = value
+            elif key in meta:
+                raise ValueError(f"a state named {key!r} would replace distlm.json's own {key!r}; rename it")
+            else:
+                meta[key] = value
         started = time.perf_counter()
         try:
             if self.settings.async_save:
@@ -408,11 +499,17 @@ class Checkpointer:
         logger.info("saved %s (written in the background)", ", ".join(names))
 
     def _commit(self, names: list[str], meta: dict[str, Any]) -> None:
-        self.ctx.barrier()  # every rank's shards are written
-        failure = None
-        if self.ctx.is_main:
+        staged = directory.incomplete(self.save_dir, names[0])
+        try:
+            written = integrity.digests(staged, integrity.written_by(staged, self.ctx.rank))
+        except OSError as err:
+            written = _reason(err)
+        # Also the barrier after which every rank's shards are written.
+        gathered = self.ctx.all_gather_object(written)
+        failure = next((result for result in gathered if isinstance(result, str)), None)
+        if self.ctx.is_main and failure is None:
             try:
-                staged = directory.incomplete(self.save_dir, names[0])
+                meta = {**meta, integrity.FILES_KEY: {name: entry for files in gathered for name, entry in files.items()}}
                 _write_json(staged / directory.META_FILE, meta)
                 final = directory.commit(self.save_dir, names[0])
                 for name in names[1:]:
@@ -423,8 +520,9 @@ class Checkpointer:
                 ):
                     logger.info("deleted %s (--keep-interval-updates/--keep-last-epochs)", name)
             except OSError as err:
-                shutil.rmtree(directory.incomplete(self.save_dir, names[0]), ignore_errors=True)
                 failure = _reason(err)
+        if self.ctx.is_main and failure is not None:
+            shutil.rmtree(staged, ignore_errors=True)
         failure = self.ctx.all_gather_object(failure)[0]
         if failure is not None:
             raise CheckpointError(
@@ -475,6 +573,38 @@ def _check_shards_present(path: Path, metadata) -> None:
     missing = sorted(name for name in files if not (path / name).is_file())
     if missing:
         raise UsageError(f"{path} lacks shard {missing[0]} (of {len(files)}); the checkpoint is incomplete")
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(item) for item in value)
+    return False
+
+
+def _prefixes(entries: dict[str, Any]) -> set[str]:
+    """Every dotted prefix of the checkpoint's keys (``optimizer``, ``optimizer.norm``, ...)."""
+    found = set()
+    for key in entries:
+        parts = key.split(".")
+        found.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
+    return found
+
+
+def _present(value: Any, key: str, entries: dict[str, Any], prefixes: set[str], path: Path) -> Any:
+    """``value`` (a state dict, nested) without what the checkpoint does not hold; None if
+    none of it. A tensor the checkpoint holds as a non-tensor entry is refused."""
+    if isinstance(value, dict):
+        kept = {name: _present(item, f"{key}.{name}", entries, prefixes, path) for name, item in value.items()}
+        return {name: item for name, item in kept.items() if item is not None} or None
+    if key not in prefixes:
+        return None
+    if isinstance(value, torch.Tensor) and isinstance(entries.get(key), BytesStorageMetadata):
+        storage.refuse_non_tensor(path, key)
+    return value
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

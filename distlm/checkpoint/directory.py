@@ -13,6 +13,7 @@ the end of an epoch and ``checkpoint_<updates>`` every ``--save-interval-updates
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -147,3 +148,21 @@ def retain(save_dir: Path, keep_interval_updates: int, keep_last_epochs: int) ->
             shutil.rmtree(entry, ignore_errors=True)
             deleted.append(entry.name)
     return deleted
+
+
+def older_checkpoints(save_dir: Path, update: int) -> list[str]:
+    """Names of the committed checkpoints in ``save_dir`` from before ``update``, newest first.
+
+    Saved at another update, so none shares a file with the checkpoint at ``update``
+    (its second names are hard links).
+    """
+    found = []
+    for entry in save_dir.iterdir() if save_dir.is_dir() else ():
+        if entry.name.startswith("checkpoint") and entry.is_dir() and is_complete(entry):
+            try:
+                saved = json.loads((entry / META_FILE).read_text())["progress"]["num_updates"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if isinstance(saved, int) and saved < update:
+                found.append((saved, entry.name))
+    return [name for _, name in sorted(found, reverse=True)]

@@ -4,22 +4,26 @@
 ``checkpoint_last``) or a file of the old single-file format. Tensors are read whole
 from whatever shards hold them: one at a time for export, which so holds one tensor and
 never the optimizer's; all at once for ``load`` (tests, small tools), which reads them
-in one pass.
+in one pass. Opening verifies every file against the checksums the save recorded, and
+every read checks that the directory is still the one opened: a run that replaces it
+meanwhile (``checkpoint_last`` at its next save) would otherwise mix two updates.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from distlm.checkpoint import directory, legacy
+from distlm.checkpoint import directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
 from distlm.errors import UsageError
+
+logger = logging.getLogger("distlm")
 
 
 def resolve(path: str | Path) -> Path:
@@ -42,26 +46,40 @@ def resolve(path: str | Path) -> Path:
 
 
 class CheckpointReader:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, verify: bool = True):
+        """``verify``: check every file against its recorded checksum first (a full read)."""
         self.path = resolve(path)
         self.is_legacy = legacy.is_legacy(self.path)
+        self._identity = integrity.identity(self.path)
         if self.is_legacy:
             self.meta = legacy.read_meta(self.path)
             self._tensors: dict[str, TensorStorageMetadata] = {}
-        else:
-            self.meta = meta_file.read(self.path)
-            try:
-                metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
-            except Exception as err:  # noqa: BLE001 - OSError or a damaged pickle (anything)
-                raise UsageError(f"{self.path}: not readable ({err}); the checkpoint is damaged") from None
-            self._tensors = {
-                key: value for key, value in metadata.state_dict_metadata.items()
-                if isinstance(value, TensorStorageMetadata)
-            }
-            missing = sorted({i.relative_path for i in metadata.storage_data.values()
-                              if not (self.path / i.relative_path).is_file()})
-            if missing:
-                raise UsageError(f"{self.path} lacks shard {missing[0]}; the checkpoint is incomplete")
+            return
+        self.meta = meta_file.read(self.path)
+        metadata = storage.read_metadata(self.path)
+        self._tensors = {}
+        for key, value in metadata.state_dict_metadata.items():
+            if isinstance(value, TensorStorageMetadata):
+                self._tensors[key] = value
+            elif key.startswith("model."):
+                storage.refuse_non_tensor(self.path, key)
+        missing = sorted(name for name in storage.shard_files(metadata) if not (self.path / name).is_file())
+        if missing:
+            raise UsageError(f"{self.path} lacks shard {missing[0]}; the checkpoint is incomplete")
+        files = integrity.recorded_files(self.meta, self.path)
+        if files is not None and verify:
+            problem = integrity.verify(self.path, files)
+            if problem is not None:
+                raise UsageError(f"{problem}; {integrity.remedy(self.path, self.meta, exporting=True)}")
+        elif not verify:
+            logger.info("%s: checksums not verified (--no-verify-checkpoint)", self.path)
+        self.check_unchanged()
+
+    def check_unchanged(self) -> None:
+        """Refuse to go on once the checkpoint directory was replaced since it was opened."""
+        if integrity.identity(self.path) != self._identity:
+            raise UsageError(f"{self.path} was replaced by a newer save while it was read (a run is saving into "
+                             "its save dir); read it again, or name a numbered checkpoint that no save replaces")
 
     def keys(self) -> list[str]:
         """The full key of every tensor the checkpoint holds (model, optimizer, each rank's RNG)."""
@@ -107,9 +125,16 @@ class CheckpointReader:
             if info is None:
                 raise UsageError(f"{self.path} holds no tensor {key}")
             state[key] = torch.empty(info.size, dtype=info.properties.dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            dcp.load(state, checkpoint_id=str(self.path), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+                storage.load(state, self.path, no_dist=True)
+        except UsageError:
+            raise
+        except Exception as err:  # noqa: BLE001 - DCP reports a vanished or cut file as anything
+            self.check_unchanged()
+            raise UsageError(f"{self.path}: cannot be read ({storage.first_line(err)}); the checkpoint is damaged") from None
+        self.check_unchanged()
         return state
 
     def model_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""The sharded training state each rank saves and loads, keyed by single-device names.
+"""The sharded training state each rank saves and loads, keyed by single-device names,
+and the ``Stateful`` objects that hand it to the Checkpointer.
 
 Every strategy presents the same keys, so a checkpoint written under one layout loads
 under any other; torch.distributed.checkpoint (DCP) reads whatever slices of the saved
@@ -10,6 +11,11 @@ shards each rank's own shards need:
 
 Replicated tensors (DDP's parameters and moments) are written once, by one rank, and
 read by all. No rank gathers anything whole.
+
+The model's state comes from torch's ``get_model_state_dict``/``set_model_state_dict``.
+The optimizer's does not: torch's ``get_optimizer_state_dict`` keys it
+``optimizer.state.<name>.<field>`` and cannot read ZeRO-1's partitions, so the names
+above are kept by distlm's own functions.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distlm.optim import init_optimizer_state
@@ -30,8 +36,8 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model)
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    set_model_state_dict(model, state)
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
 
 
 def optimizer_holding_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -125,3 +131,62 @@ def restore_rng(states: dict[str, torch.Tensor]) -> None:
     accelerator = _accelerator_rng()
     if accelerator is not None and accelerator[0] in states:
         accelerator[1].set_rng_state(states[accelerator[0]])
+
+
+# ------------------------------------------------------------- Stateful objects
+
+
+class ModelState:
+    """The model as a ``Stateful``: its shards under single-device names."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return model_state(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        # Not strict: the Checkpointer compared names and shapes first, and a partial load
+        # (--load-partial) hands over only the weights the checkpoint and the model share.
+        load_model_state(self.model, state, strict=False)
+
+
+class OptimizerState:
+    """AdamW's state (ZeRO-1: this rank's partition) as a ``Stateful``.
+
+    Like torch's ``get_optimizer_state_dict``, ``state_dict`` allocates the state of a
+    parameter that has none yet, so a load has tensors to read into; ``load_state_dict``
+    drops again the state of every parameter the loaded dict lacks.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        init_optimizer_state(optimizer_holding_state(self.optimizer))
+        return optimizer_state(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        holder = optimizer_holding_state(self.optimizer)
+        for name, param in zip(parameter_names(self.model), self.model.parameters()):
+            entry = holder.state.get(param)
+            if entry and (name not in state or state[name].keys() != {
+                    key for key, value in entry.items() if isinstance(value, torch.Tensor)}):
+                holder.state.pop(param)  # a parameter without saved state (a checkpoint from before its first step)
+                continue
+            for key, value in state.get(name, {}).items():
+                if entry[key] is not value:
+                    _copy_shard_into(entry[key], value)
+
+
+class RNGState:
+    """This rank's random number generators as a ``Stateful``, under ``rank<r>``."""
+
+    def __init__(self, rank: int):
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {self.key: capture_rng()}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        restore_rng(state[self.key])

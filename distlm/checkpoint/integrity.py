@@ -1,0 +1,93 @@
+"""Checksums of a checkpoint's files, and the identity of a checkpoint while it is read.
+
+At a save every rank hashes the files it wrote (its shards; rank 0 also DCP's metadata
+and the tokenizer files) and rank 0 records name, size and SHA-256 of each under
+``files`` in ``distlm.json``. A resume verifies them before loading, each rank a share
+of the files; an export verifies them all. A flipped byte so ends in one line naming
+the file instead of a wrong weight. Checkpoints written before checksums were recorded
+have no ``files`` and are read unverified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from distlm.checkpoint import directory
+from distlm.errors import UsageError
+
+FILES_KEY = "files"
+
+
+def digest(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of one file, streamed through one small buffer (a save's peak memory stays put)."""
+    with open(path, "rb") as f:
+        sha = hashlib.file_digest(f, "sha256")
+        return {"size": f.tell(), "sha256": sha.hexdigest()}
+
+
+def written_by(staged: Path, rank: int) -> list[str]:
+    """The files of a staged checkpoint that ``rank`` wrote: its shards (DCP names them
+    ``__<rank>_<n>.distcp``); rank 0 also every other file but distlm.json."""
+    names = []
+    for path in sorted(staged.rglob("*")):
+        if not path.is_file():
+            continue
+        name = str(path.relative_to(staged))
+        if name.startswith(f"__{rank}_") or (rank == 0 and not name.startswith("__") and name != directory.META_FILE):
+            names.append(name)
+    return names
+
+
+def digests(staged: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: digest(staged / name) for name in names}
+
+
+def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None) -> str | None:
+    """Why one of the files ``names`` (default: all recorded) differs from what the save
+    recorded, or None. Sizes are compared first, so a cut file is found without reading it."""
+    names = sorted(recorded) if names is None else names
+    for name in names:
+        file = path / name
+        expected = recorded[name]
+        try:
+            size = os.stat(file).st_size
+        except OSError:
+            return f"{file} is missing"
+        if size != expected.get("size"):
+            return f"{file} has {size} bytes, {expected.get('size')} were written"
+        if digest(file)["sha256"] != expected.get("sha256"):
+            return f"{file} differs from what was written (its SHA-256 does not match distlm.json)"
+    return None
+
+
+def recorded_files(meta: dict[str, Any], where: Path) -> dict[str, dict[str, Any]] | None:
+    """The checksums a checkpoint recorded, checked to be names inside it; None if it recorded none."""
+    files = meta.get(FILES_KEY)
+    if files is None:
+        return None
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and isinstance(entry, dict) and ".." not in Path(name).parts
+            and not Path(name).is_absolute() for name, entry in files.items()):
+        raise UsageError(f"{where / directory.META_FILE}: {FILES_KEY!r} is not a table of files; the checkpoint is damaged")
+    return files
+
+
+def remedy(path: Path, meta: dict[str, Any], exporting: bool = False) -> str:
+    """What to do about a damaged checkpoint: the newest older one beside it, as the flag that names it."""
+    older = directory.older_checkpoints(path.parent, meta["progress"]["num_updates"])
+    if not older:
+        return "no older checkpoint is beside it: restore the file from a copy"
+    named = f"--checkpoint {path.parent / older[0]}" if exporting else f"--restore-file {older[0]}"
+    return f"the file is damaged; use an older checkpoint: {named}"
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """What a checkpoint directory is on disk: a save that replaces it renames a new directory into its place."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino

@@ -1,0 +1,128 @@
+"""Reading a sharded checkpoint without running anything it holds.
+
+torch.distributed.checkpoint (DCP) keeps its metadata as a pickle in ``.metadata`` and
+reads a non-tensor entry with ``torch.load(weights_only=False)``: either would run
+whatever code a crafted checkpoint carries. Here the metadata is unpickled admitting
+only the classes DCP's metadata is made of, every shard a file inside the checkpoint
+directory, and non-tensor entries are read with ``weights_only=True``. Every read of a
+checkpoint (resume, restore, finetune, export, the offline reader) goes through
+``read_metadata`` and ``load``.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from distlm.checkpoint import directory
+from distlm.errors import UsageError
+
+# Every global a .metadata written by torch 2.x refers to, and nothing that can run code:
+# the constructors below only build values (a size, a path, a dtype or layout by name).
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("collections", "OrderedDict"): OrderedDict,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _METADATA_CLASSES.get((module, name))
+        if found is None and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise _Refused(f"{module}.{name}")
+        return found
+
+
+class _Refused(Exception):
+    pass
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata of the checkpoint directory ``path``, unpickled admitting only its own classes."""
+    file = path / directory.DCP_METADATA_FILE
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Refused as refused:
+        raise UsageError(f"{file} refers to {refused}, which DCP's metadata never holds: the file was crafted "
+                         "or damaged, and distlm runs no code from a checkpoint; use a checkpoint you trust") from None
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+        raise UsageError(f"{file}: not readable ({first_line(err)}); the checkpoint is damaged") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise UsageError(f"{file} is not DCP metadata; the checkpoint is damaged")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise UsageError(f"{file} names a shard {name!r} outside the checkpoint directory; the checkpoint is damaged")
+    return metadata
+
+
+def refuse_non_tensor(path: Path, key: str) -> None:
+    """A weight that DCP's metadata marks as a non-tensor entry: not what distlm writes."""
+    raise UsageError(f"{path / directory.DCP_METADATA_FILE} holds {key} as a non-tensor entry, which distlm writes "
+                     "as a tensor: the checkpoint was crafted or damaged; use a checkpoint you trust")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def shard_files(metadata: Metadata) -> set[str]:
+    """The names of the shard files DCP's metadata points into."""
+    return {info.relative_path for info in metadata.storage_data.values()}
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the restricted metadata unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner reading non-tensor entries as data only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - whatever the restricted unpickler refuses
+            raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is not plain data ({first_line(err)}); "
+                             "distlm runs no code from a checkpoint") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def load(state: dict[str, Any], path: Path, no_dist: bool, process_group=None) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner."""
+    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), process_group=process_group,
+             no_dist=no_dist)

@@ -1,0 +1,339 @@
+"""Checkpoints that can be trusted: state as Stateful objects, old checkpoints resuming
+exactly, no code run from a checkpoint, checksums, one owner per save dir, and a resume
+that checks the model and names changed settings.
+
+One small model (tests/fixtures/checkpoint_33fbac2: 3,120 parameters, its own data)
+serves every check; its runs are shared through the module fixture ``runs``. What needs
+two ranks (a flipped byte) runs in test_checkpoint.py's 2-rank job.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from distlm import checkpoint, export
+from distlm.checkpoint import CheckpointReader, directory
+from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
+from distlm.config import parse_args
+from distlm.errors import UsageError
+from distlm.train import main
+from distlm.trainer import Trainer
+from test_checkpoint import assert_same_checkpoint, fit
+
+FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_33fbac2"
+DATA = str(FIXTURE / "data")
+
+
+def tiny_args(save_dir: Path | str, max_update: int, extra: list[str] = ()) -> list[str]:
+    """The settings the fixture was made with (make_fixture.py), dropout on."""
+    return [
+        "--data", DATA, "--arch", "llama_tiny", "--decoder-embed-dim", "16", "--decoder-layers", "1",
+        "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2", "--kv-heads", "2",
+        "--tokens-per-sample", "16", "--batch-size", "2", "--dropout", "0.1", "--attention-dropout", "0.1",
+        "--lr", "1e-3", "--warmup-updates", "1", "--total-num-update", "4", "--max-update", str(max_update),
+        "--log-interval", "1000", "--disable-validation", "--save-dir", str(save_dir), "--device", "cpu",
+        "--seed", "3", "--no-epoch-checkpoints", *extra,
+    ]
+
+
+class Counter:
+    """A Stateful holding a tensor: saved in the shards under its name."""
+
+    def __init__(self):
+        self.total = torch.zeros(3)
+
+    def state_dict(self):
+        return {"total": self.total}
+
+    def load_state_dict(self, state):
+        self.total.copy_(state["total"])
+
+
+class Tag:
+    """A Stateful without tensors: saved in distlm.json under its name."""
+
+    def __init__(self):
+        self.note = "fresh"
+
+    def state_dict(self):
+        return {"note": self.note}
+
+    def load_state_dict(self, state):
+        self.note = state["note"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """root/straight: 4 updates (checkpoint_2, checkpoint_4); root/old: the fixture's
+    checkpoint of update 2, written by commit 33fbac2, resumed to 4 with two states registered;
+    root/two-layers: 2 updates of the model with 2 layers (checkpoint_1, checkpoint_2)."""
+    root = tmp_path_factory.mktemp("trust")
+    fit(tiny_args(root / "straight", 4, ["--save-interval-updates", "2"]))
+    shutil.copytree(FIXTURE / "save", root / "old")
+    states = {"counter": Counter(), "tag": Tag()}
+    trainer = Trainer(parse_args(tiny_args(root / "old", 4)), states=states)
+    assert trainer.resumed_at == 2
+    # The old checkpoint holds neither: they keep what they had.
+    assert torch.equal(states["counter"].total, torch.zeros(3)) and states["tag"].note == "fresh"
+    states["counter"].total += torch.tensor([1.0, 2.0, 3.0])
+    states["tag"].note = "resumed once"
+    trainer.fit()
+    fit(tiny_args(root / "two-layers", 2, ["--decoder-layers", "2", "--save-interval-updates", "1"]))
+    return root
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, list[str]]:
+    code = main(argv)
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("distlm: error:")]
+
+
+def run_export(argv: list[str], capsys) -> tuple[int, list[str]]:
+    code = export.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def never_trains(monkeypatch):
+    def train_step(*args, **kwargs):
+        raise AssertionError("training started")
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+# ------------------------------------------------------------ state as Stateful
+
+
+def test_a_checkpoint_of_the_previous_release_resumes_exactly(runs):
+    """The fixture (commit 33fbac2's code) holds what this code writes at update 2, and
+    resumed from it the run ends where the straight one does, bit for bit."""
+    old = CheckpointReader(FIXTURE / "save")
+    new = CheckpointReader(runs / "straight" / checkpoint.numbered(2))
+    assert old.keys() == new.keys()
+    for key in new.keys():
+        assert torch.equal(old.tensor(key), new.tensor(key)), key
+    assert_same_checkpoint(runs / "old" / checkpoint.LAST, runs / "straight" / checkpoint.LAST)
+
+
+def test_a_registered_stateful_is_saved_and_resumed_without_changing_the_checkpointer(runs):
+    saved = runs / "old" / checkpoint.LAST
+    assert torch.equal(CheckpointReader(saved).tensor("counter.total"), torch.tensor([1.0, 2.0, 3.0]))
+    assert json.loads((saved / "distlm.json").read_text())["tag"] == {"note": "resumed once"}
+    states = {"counter": Counter(), "tag": Tag()}
+    assert Trainer(parse_args(tiny_args(runs / "old", 4)), states=states).resumed_at == 4
+    assert torch.equal(states["counter"].total, torch.tensor([1.0, 2.0, 3.0])) and states["tag"].note == "resumed once"
+
+
+# ------------------------------------------------------------ no code from a checkpoint
+
+
+class Payload:
+    """Unpickled, it creates the marker file: what a crafted checkpoint would run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def crafted_checkpoints(source: Path, root: Path, marker: Path) -> dict[str, Path]:
+    """Save dirs whose checkpoint_last carries code: in DCP's .metadata, and in a weight
+    marked as a non-tensor entry (which DCP reads with torch.load(weights_only=False)).
+    Their checksums are removed, as an attacker would: the reading itself must refuse."""
+    crafted = {}
+    for kind in ("metadata", "bytes-entry"):
+        path = root / kind / checkpoint.LAST
+        shutil.copytree(source, path)
+        meta = json.loads((path / "distlm.json").read_text())
+        del meta["files"]
+        (path / "distlm.json").write_text(json.dumps(meta))
+        if kind == "metadata":
+            (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+        else:
+            with open(path / ".metadata", "rb") as f:
+                metadata = pickle.load(f)  # written by this test's own save
+            key = "model.tok_embeddings.weight"
+            metadata.state_dict_metadata[key] = BytesStorageMetadata()
+            metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != key}
+            payload = pickle.dumps(Payload(marker))
+            (path / "__9_0.distcp").write_bytes(payload)
+            metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
+            (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        crafted[kind] = path
+    return crafted
+
+
+def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs, tmp_path, capsys, never_trains):
+    marker = tmp_path / "marker"
+    crafted = crafted_checkpoints(runs / "straight" / checkpoint.LAST, tmp_path, marker)
+    # The payloads are live: unpickled as DCP and torch.load(weights_only=False) do, they run.
+    pickle.loads((crafted["metadata"] / ".metadata").read_bytes())
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(RuntimeError, match="magic number"):  # raised after the payload ran
+        torch.load(io.BytesIO((crafted["bytes-entry"] / "__9_0.distcp").read_bytes()), weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    for kind, path in crafted.items():
+        attempts = {
+            "resume": lambda: run_main(tiny_args(path.parent, 6), capsys),
+            "restore": lambda: run_main(tiny_args(tmp_path / f"restore-{kind}", 6, ["--restore-file", str(path)]), capsys),
+            "finetune": lambda: run_main(
+                tiny_args(tmp_path / f"finetune-{kind}", 6, ["--finetune-from-model", str(path)]), capsys),
+            "export --out": lambda: run_export(["--checkpoint", str(path), "--out", str(tmp_path / "out.safetensors")],
+                                               capsys),
+            "export --hf": lambda: run_export(["--checkpoint", str(path), "--hf", str(tmp_path / "hf")], capsys),
+        }
+        for name, attempt in attempts.items():
+            code, lines = attempt()
+            assert code == 2 and len(lines) == 1, (kind, name, lines)
+            assert str(path / ".metadata") in lines[0], (kind, name, lines)
+            assert not marker.exists(), (kind, name)
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+# ------------------------------------------------------------ checksums
+
+
+def flip_a_byte(file: Path) -> None:
+    """One bit in the middle of the file, written in place (a file's hard links see it too)."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    with open(file, "r+b") as f:
+        f.write(data)
+
+
+def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoint(runs, tmp_path, capsys,
+                                                                                 never_trains):
+    save = tmp_path / "save"
+    shutil.copytree(runs / "straight", save)
+    shard = save / checkpoint.LAST / "__0_0.distcp"
+    flip_a_byte(shard)
+    code, lines = run_main(tiny_args(save, 6), capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert str(shard) in lines[0] and "--restore-file checkpoint_2" in lines[0], lines
+    out = tmp_path / "out.safetensors"
+    code, lines = run_export(["--checkpoint", str(save), "--out", str(out)], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert str(shard) in lines[0] and f"--checkpoint {save / checkpoint.numbered(2)}" in lines[0], lines
+    assert not out.exists()
+    # Told not to verify, the export reads the file and says so.
+    assert export.main(["--checkpoint", str(save), "--out", str(out), "--no-verify-checkpoint"]) == 0
+
+
+def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys, monkeypatch):
+    """checkpoint_last replaced by a run's next save while the export reads it: the export
+    ends in one line and writes nothing."""
+    save = tmp_path / "save"
+    shutil.copytree(runs / "straight", save)
+    read, original = [], CheckpointReader.tensors
+
+    def tensors_then_a_save_lands(self, keys):
+        found = original(self, keys)
+        if not read:
+            read.append(keys)
+            shutil.copytree(save / checkpoint.numbered(2), directory.incomplete(save, checkpoint.LAST))
+            directory.commit(save, checkpoint.LAST)
+        return found
+
+    monkeypatch.setattr(CheckpointReader, "tensors", tensors_then_a_save_lands)
+    out = tmp_path / "out.safetensors"
+    code, lines = run_export(["--checkpoint", str(save), "--out", str(out)], capsys)
+    assert read and code == 2 and len(lines) == 1, lines
+    assert "was replaced by a newer save while it was read" in lines[0]
+    assert not out.exists()
+
+
+# ------------------------------------------------------------ one owner per save dir
+
+
+def test_a_second_run_on_a_save_dir_is_refused_and_a_dead_runs_lock_taken_over(runs, tmp_path, capsys, monkeypatch,
+                                                                               caplog):
+    save = tmp_path / "save"
+    first = subprocess.Popen([sys.executable, "-m", "distlm.train", *tiny_args(save, 1_000_000)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        deadline = time.monotonic() + 120
+        while not (save / LOCK_FILE).exists():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never took its save dir"
+            time.sleep(0.2)
+        with monkeypatch.context() as patch:
+            patch.setattr(Trainer, "train_step", lambda *args: pytest.fail("the second run trained"))
+            code, lines = run_main(tiny_args(save, 1), capsys)
+        assert code == 2 and len(lines) == 1, lines
+        assert f"--save-dir {save} belongs to another run" in lines[0] and f"pid {first.pid}," in lines[0], lines
+    finally:
+        first.kill()
+        first.wait()
+    # Killed, it left its lock behind: its process is gone, so the next run takes over.
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        fit(tiny_args(save, 1))
+    assert any(f"took over the lock of run process {socket.gethostname()}:{first.pid} (its process {first.pid} "
+               "is gone)" in record.getMessage() for record in caplog.records)
+    assert not (save / LOCK_FILE).exists()  # given up at the end of the run
+
+
+def test_a_lock_from_another_host_stands_until_it_is_stale_and_a_restarted_job_keeps_it(tmp_path, monkeypatch):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"run": "torchrun job-7", "host": "elsewhere", "pid": 1, "since": "then"}))
+    with pytest.raises(UsageError, match="belongs to another run \\(torchrun job-7, host elsewhere, pid 1"):
+        SaveDirLock(tmp_path).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")  # a restart of that job: the same owner
+    mine = SaveDirLock(tmp_path)
+    mine.acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    mine.release()
+    assert not lock.exists()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    lock.write_text(json.dumps({"run": "torchrun job-7", "host": "elsewhere", "pid": 1, "since": "then"}))
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # not refreshed for an hour
+    SaveDirLock(tmp_path).acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+# ------------------------------------------------------------ a resume that checks the model and settings
+
+
+def test_a_resume_into_fewer_layers_is_refused_and_a_partial_finetune_lists_what_it_left_out(runs, tmp_path,
+                                                                                           capsys, caplog):
+    saved = runs / "two-layers" / checkpoint.numbered(1)
+    code, lines = run_main(tiny_args(tmp_path / "fewer", 4, ["--restore-file", str(saved)]), capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert (f"{saved} is a checkpoint of another model: the checkpoint has layers.1.attention.wq.weight, "
+            "the model built does not") in lines[0], lines
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        trainer = Trainer(parse_args(tiny_args(tmp_path / "partial", 4, ["--finetune-from-model", str(saved),
+                                                                         "--load-partial"])))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--load-partial"))
+    assert "left out: layers.1." in line and "layers.0." not in line.split("left out:")[1], line
+    reader = CheckpointReader(saved)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, reader.tensor(f"model.{name}")), name
+
+
+def test_a_resume_with_a_changed_lr_and_batch_size_says_so(runs, tmp_path, caplog):
+    saved = runs / "two-layers" / checkpoint.numbered(1)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        trainer = Trainer(parse_args(tiny_args(tmp_path / "lr", 4, [
+            "--restore-file", str(saved), "--decoder-layers", "2", "--lr", "5e-4", "--batch-size", "4"])))
+    assert trainer.resumed_at == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming with")]
+    assert len(lines) == 1, lines
+    assert all(change in lines[0] for change in ("lr 0.001 → 0.0005", "batch-size 2 → 4", "global batch 2 → 4")), lines
+    # The position is one count of samples: the next update reads on from there.
+    assert "carries over as 2 samples consumed" in lines[0] and trainer.consumed_samples == 2, lines
