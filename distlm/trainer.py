@@ -35,6 +35,7 @@ from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
+from distlm.signals import StopSignals
 
 logger = logging.getLogger("distlm")
 
@@ -96,6 +97,10 @@ class Trainer:
         self.last_memory: dict[str, int] = {}
         self.resumed_at: int | None = None
         """The update this run resumed at; None for a fresh start."""
+        self.stop = StopSignals()
+        """SIGTERM, SIGINT and SIGUSR1 while ``fit`` runs: every rank stops at one update and saves."""
+        self.stop_saved: list[str] = []
+        """The checkpoint names saved when a stop signal ended the run."""
         if resume is not None:
             self.progress = self.checkpointer.load(resume, self.model, self.optimizer, self.precision.scaler, config.seed)
             self.resumed_at = self.progress.num_updates
@@ -118,6 +123,7 @@ class Trainer:
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
+        self.stop.install()  # before the data workers start: they ignore the stop signals
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
@@ -131,16 +137,21 @@ class Trainer:
                     compiling = None
         finally:
             printer.close()
-        with self.ctx.naming_failed_collectives(self.progress.num_updates):
-            self.handle.wait_pending()
-            self.checkpointer.wait()
-            final = {**self.summary, "update": self.progress.num_updates,
-                     "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
-                     "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
-            printer.log(final, kind="summary")
-            self.checkpointer.announce_last()
-            self.ctx.close()
+        try:
+            with self.ctx.naming_failed_collectives(self.progress.num_updates):
+                self.handle.wait_pending()
+                self.checkpointer.wait()
+                final = {**self.summary, "update": self.progress.num_updates,
+                         "consumed_samples": self.progress.consumed_samples,
+                         "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                         "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
+                if self.stop.agreed:
+                    final["stopped_by"] = self.stop.describe()
+                printer.log(final, kind="summary")
+                self.checkpointer.announce_last()
+                self.ctx.close()
+        finally:
+            self.stop.restore()
         return final
 
     def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
@@ -159,6 +170,11 @@ class Trainer:
             printer.log(self.summary)
             stats.reset()
         ended = epoch_before + 1 if self.sampler.epoch_of(self.progress.consumed_samples) > epoch_before else None
+        if self.stop.agreed:
+            # Cadence aside, and no validation: the time left may be short.
+            self.stop_saved = self.checkpointer.due(self.progress.num_updates, ended, done=True)
+            self.save_checkpoint(self.stop_saved)
+            return True
         if applied or ended is not None or self._done():
             return self._validate_and_save(ended, printer)
         return False
@@ -207,14 +223,16 @@ class Trainer:
         device = self.ctx.device
         local_targets = sum(b["target_count"] for b in micro_batches)
         tensors = [to_device(b, device) for b in micro_batches]
-        global_targets = torch.tensor([local_targets], dtype=torch.float64, device=device)
+        # The stop signals ride along in the all-reduce of the global target count: every
+        # rank learns at this update that some rank was signalled, for no extra collective.
+        global_targets = torch.tensor([local_targets, *self.stop.local_flags()], dtype=torch.float64, device=device)
         if self.ctx.dp_group is not None:
             dist.all_reduce(global_targets, group=self.ctx.dp_group)
         loss_scale = self.precision.loss_scale
         # DDP averages gradients over replicas; multiplying by their number makes the
         # result the gradient of (summed loss / global target tokens): normalised once.
         # A device tensor, so nothing waits for the count to reach the host.
-        factor = (self.ctx.dims.dp * loss_scale / global_targets.clamp(min=1)).float()
+        factor = (self.ctx.dims.dp * loss_scale / global_targets[:1].clamp(min=1)).float()
         gradient_loss_scale = self.handle.gradient_loss_scale(loss_scale)
 
         self.model.train()
@@ -230,6 +248,7 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, update)
         gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
         gnorm_value = float(gnorm)  # the update's one host synchronisation
+        self._agree_on_stop(global_targets[1:])
         finite = math.isfinite(gnorm_value)
         applied = finite and self.handle.gradients_ready
         if not finite and self.precision.scaler is None:
@@ -272,6 +291,23 @@ class Trainer:
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.loss_scale
         return record
+
+    def stop_line(self) -> str:
+        """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
+        return self.stop.describe_stop(self.progress.num_updates, self.checkpointer.save_dir,
+                                       self.stop_saved if self.checkpointer.enabled else None)
+
+    def _agree_on_stop(self, summed_flags: torch.Tensor) -> None:
+        """Whether any rank received a stop signal before this update, the same on every rank.
+
+        Read after the gradient norm's synchronisation, so the all-reduce has long completed.
+        Where the data-parallel group is not the world (tensor parallel), the flags are
+        summed once more over the world: one small all-reduce per update in that layout.
+        """
+        if self.ctx.is_distributed and self.ctx.dims.dp != self.ctx.world_size:
+            summed_flags = summed_flags.clone()
+            dist.all_reduce(summed_flags, group=self.ctx.world_group)
+        self.stop.agree(summed_flags.tolist())
 
     def _autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""
