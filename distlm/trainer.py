@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from distlm.agreement import check_ranks_agree
 from distlm.builder import build_model_for_run, log_start, parallel_options, resolve_model_spec, training_data
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress
 from distlm.compile import CompileReport, precompile
@@ -55,6 +56,8 @@ class Trainer:
                  dist: DistContext | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
+        # Before any other collective: ranks launched differently must not reach DDP or the data.
+        check_ranks_agree(config, self.ctx.all_gather_object)
         self.spec = resolve_model_spec(config.model) if model is None else None
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
