@@ -14,6 +14,7 @@ are listed in the file's metadata.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -23,14 +24,14 @@ from typing import Sequence
 from distlm.checkpoint import CheckpointReader
 from distlm.config import OneLineErrorParser
 from distlm.errors import UsageError
+from distlm.export_target import check_file_target
 from distlm.hf_export import export_hf
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 
 
-def export(checkpoint_path: str, out: str) -> Path:
+def export(checkpoint_path: str, out: str, overwrite: bool = False) -> Path:
     target = Path(out)
-    if target.is_dir():
-        raise UsageError(f"--out {out} is a directory; name the .safetensors file to write")
+    check_file_target(target, "--out", overwrite)
     try:
         reader = CheckpointReader(checkpoint_path)
     except UsageError as err:
@@ -56,8 +57,10 @@ def export(checkpoint_path: str, out: str) -> Path:
         write_safetensors_file(partial, specs, lambda name: reader.tensor(f"model.{name}"), metadata)
         os.replace(partial, target)
     except (OSError, ValueError) as exc:
-        partial.unlink(missing_ok=True)
-        raise UsageError(f"--out {out}: cannot write ({exc})") from None
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UsageError(f"--out {out}: cannot write ({reason})") from None
     return target
 
 
@@ -71,13 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Hugging Face model directory: config.json, sharded safetensors, tokenizer files")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help=f"with --hf: largest safetensors file, e.g. 5GB or 500MB (default: {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --hf directory or --out file that is not an earlier distlm export")
     try:
         args = parser.parse_args(argv)
         if args.hf is not None:
-            export_hf(args.checkpoint, args.hf, args.max_shard_size)
+            export_hf(args.checkpoint, args.hf, args.max_shard_size, args.overwrite)
             path = Path(args.hf)
         else:
-            path = export(args.checkpoint, args.out)
+            path = export(args.checkpoint, args.out, args.overwrite)
     except UsageError as exc:
         print(f"distlm.export: error: {exc}", file=sys.stderr)
         return UsageError.exit_code
