@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
+from distlm import checkpoint
+from distlm.export import main as export_main
 from distlm.models.hf.io import check_config_values
 from distlm.train import main
 
@@ -35,3 +41,61 @@ def test_init_from_hf_config_values_are_checked(change, expected, tmp_path, caps
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **change}))
     assert main(["--init-from-hf", str(tmp_path), "--no-save", "--device", "cpu", "--tokens-per-sample", "32"]) == 2
     assert error_lines(capsys.readouterr().err) == [f"distlm: error: {tmp_path}/config.json: {expected}"]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+class Payload:
+    """A pickled object that only code could rebuild: refused, never run."""
+
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
+def test_a_legacy_checkpoint_holding_code_is_refused_in_one_plain_line(data_dir, tmp_path, capsys):
+    """torch's refusal spans lines, carries terminal escape codes and suggests weights_only=False."""
+    torch.save({"format": 1, "model": Payload()}, tmp_path / "checkpoint_last.pt")
+    expected = re.compile(re.escape(f"{tmp_path}/checkpoint_last.pt: not a readable distlm checkpoint (it holds a "
+                                    "Python object, ") + r"\S*print" + re.escape(", that only code could rebuild; "
+                                                                                  "distlm never runs it)"))
+    assert main(["--data", data_dir, "--save-dir", str(tmp_path), "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    lines = error_lines(err)
+    assert len(lines) == 1 and expected.fullmatch(lines[0].removeprefix("distlm: error: ")), lines
+    assert "\x1b" not in err and "this ran" not in out
+    assert export_main(["--checkpoint", str(tmp_path / "checkpoint_last.pt"), "--out", str(tmp_path / "m")]) == 2
+    out, err = capsys.readouterr()
+    lines = error_lines(err)
+    assert len(lines) == 1 and expected.fullmatch(lines[0].removeprefix("distlm.export: error: --checkpoint ")), lines
+    assert "\x1b" not in err and "this ran" not in out
+
+
+@pytest.fixture(scope="module")
+def saved(data_dir, tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("saved")
+    assert main(["--data", data_dir, "--arch", "roberta_tiny", "--tokens-per-sample", "32", "--batch-size", "2",
+                 "--max-update", "1", "--save-dir", str(save_dir), "--device", "cpu",
+                 "--disable-validation"]) == 0
+    return save_dir
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda meta: meta["progress"].update(consumed_samples=-8), "progress.consumed_samples is -8, below 0"),
+    (lambda meta: meta["model_config"].update(n_experts=8), "model_config.n_experts is not a setting of distlm's"),
+])
+def test_a_damaged_distlm_json_is_one_line_in_resume_and_export(saved, data_dir, edit, named, tmp_path, capsys):
+    save_dir = tmp_path / "save"
+    shutil.copytree(saved, save_dir)
+    meta_path = save_dir / checkpoint.LAST / "distlm.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["--data", data_dir, "--arch", "roberta_tiny", "--tokens-per-sample", "32", "--batch-size", "2",
+                 "--save-dir", str(save_dir), "--device", "cpu"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith(f"distlm: error: {meta_path}: {named}"), lines
+    assert export_main(["--checkpoint", str(save_dir), "--hf", str(tmp_path / "hf")]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"{meta_path}: {named}" in lines[0], lines
