@@ -7,10 +7,12 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from distlm import checkpoint
+from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
 from distlm.export import main as export_main
 from distlm.models.hf.io import check_config_values
 from distlm.train import main
@@ -99,3 +101,24 @@ def test_a_damaged_distlm_json_is_one_line_in_resume_and_export(saved, data_dir,
     assert export_main(["--checkpoint", str(save_dir), "--hf", str(tmp_path / "hf")]) == 2
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and f"{meta_path}: {named}" in lines[0], lines
+
+
+# ------------------------------------------------------------------------ data
+
+
+def test_an_id_beyond_the_dictionary_late_in_the_file_is_one_line_at_load(tmp_path, capsys):
+    """Found at load, before any rank or data worker could meet it in a sample."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(40)))  # ids 0-3 special, 4-43 words
+    sentences = [np.append(rng.integers(4, 44, size=20), 2) for _ in range(300)]
+    sentences[-1][5] = 44  # one id past the last symbol, in the last sentence
+    write_indexed_dataset(str(tmp_path / "train"), sentences, np.uint16)
+    write_indexed_dataset(str(tmp_path / "valid"), sentences[:10], np.uint16)
+    assert MMapIndexedDataset(tmp_path / "train").find_id_outside(0, 44) == (44, 299)
+    assert MMapIndexedDataset(tmp_path / "train").find_id_outside(0, 45) is None
+    assert main(["--data", str(tmp_path), "--arch", "llama_tiny", "--tokens-per-sample", "32", "--batch-size", "2",
+                 "--num-workers", "2", "--no-save", "--device", "cpu"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert lines == [f"distlm: error: data {tmp_path}/train holds token id 44 (in sequence 299) outside the "
+                     "dictionary's 44 symbols; the vocabulary (dict.txt or tokenizer.json) and the .bin files do "
+                     "not belong together"], lines
