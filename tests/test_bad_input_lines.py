@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from distlm import checkpoint
+from distlm import checkpoint, errors
 from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
 from distlm.export import main as export_main
 from distlm.models.hf.io import check_config_values
@@ -122,3 +125,41 @@ def test_an_id_beyond_the_dictionary_late_in_the_file_is_one_line_at_load(tmp_pa
     assert lines == [f"distlm: error: data {tmp_path}/train holds token id 44 (in sequence 299) outside the "
                      "dictionary's 44 symbols; the vocabulary (dict.txt or tokenizer.json) and the .bin files do "
                      "not belong together"], lines
+
+
+# ------------------------------------------------------------------ master port
+
+
+@pytest.fixture
+def foreign_listener():
+    """A program that holds a port, accepts connections and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted = []
+    threading.Thread(target=lambda: accepted.extend(iter(server.accept, None)), daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+@pytest.mark.parametrize("launch", ["env", "fairseq"])
+def test_a_master_port_held_by_another_program_is_one_line_on_rank_1(launch, foreign_listener, data_dir,
+                                                                     monkeypatch, capsys):
+    """Rank 0 fails at once on the busy port; rank 1 used to wait for the foreign program forever."""
+    port = foreign_listener
+    monkeypatch.setattr(errors, "SECOND_REPORTER_DELAY_SEC", 0.0)
+    argv = ["--data", data_dir, "--no-save", "--device", "cpu", "--timeout-sec", "3"]
+    if launch == "env":
+        for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            monkeypatch.setenv(name, value)
+    else:
+        argv += ["--distributed-world-size", "2", "--distributed-rank", "1",
+                 "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
+    started = time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - started < 60  # a hang bound: min(--timeout-sec, 60 s) and start-up
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"distlm: error: {'rank 1: ' if launch == 'env' else ''}the master address 127.0.0.1:{port} is held by a "
+        "program that is not rank 0's rendezvous store (no answer in 3 s); choose a free port"), lines
