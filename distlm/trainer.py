@@ -31,6 +31,7 @@ from distlm.memory import memory_report
 from distlm.metrics import Printer, TrainStats, mfu_inputs
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
+from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
 from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
@@ -69,17 +70,20 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
-        build = build_model_for_run(
-            self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
-            self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
-            weights_from_checkpoint=resume is not None,
-        )
-        self.model_inputs = ModelInputs.of(build.model, self.task)
-        self.fixed_length = config.data.tokens_per_sample if (
-            config.compile.compile or self.ctx.backend.static_shapes) else None
-        """Batches padded to this length, so compiled or traced graphs see one shape."""
-        self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
-                                              parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
+        vocab = len(dictionary) if dictionary is not None else 0
+        with naming_out_of_memory("building the model", lambda: self._state_need(
+                model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
+            build = build_model_for_run(
+                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
+                config.seed, model, weights_from_checkpoint=resume is not None,
+            )
+            self.model_inputs = ModelInputs.of(build.model, self.task)
+            self.fixed_length = config.data.tokens_per_sample if (
+                config.compile.compile or self.ctx.backend.static_shapes) else None
+            """Batches padded to this length, so compiled or traced graphs see one shape."""
+            self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
+                                                  parallel_options(config, self.ctx), build.whole_model,
+                                                  build.fill_shards)
         log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
@@ -133,7 +137,8 @@ class Trainer:
         try:
             while not (stop or self._done()):
                 # Everything one update does, collectives of logging and saving included.
-                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1):
+                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1), naming_out_of_memory(
+                        f"in update {self.progress.num_updates + 1}", self._step_need, STEP_REMEDY):
                     stop = self._update(next(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
@@ -299,6 +304,15 @@ class Trainer:
         """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
         return self.stop.describe_stop(self.progress.num_updates, self.checkpointer.save_dir,
                                        self.stop_saved if self.checkpointer.enabled else None)
+
+    def _state_need(self, model: torch.nn.Module) -> str:
+        dims = self.ctx.dims
+        return describe_state_need(sum(p.numel() for p in model.parameters()), dims.strategy, dims.dp, dims.tp)
+
+    def _step_need(self) -> str:
+        data = self.config.data
+        return (f"{self._state_need(self.model)}, plus the activations of --batch-size {data.batch_size} x "
+                f"--tokens-per-sample {data.tokens_per_sample} tokens")
 
     def _agree_on_stop(self, summed_flags: torch.Tensor) -> None:
         """Whether any rank received a stop signal before this update, the same on every rank.

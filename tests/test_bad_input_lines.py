@@ -19,6 +19,7 @@ from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_datase
 from distlm.export import main as export_main
 from distlm.models.hf.io import check_config_values
 from distlm.train import main
+from distlm.trainer import Trainer
 
 LLAMA_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
@@ -163,3 +164,46 @@ def test_a_master_port_held_by_another_program_is_one_line_on_rank_1(launch, for
     assert len(lines) == 1 and lines[0].startswith(
         f"distlm: error: {'rank 1: ' if launch == 'env' else ''}the master address 127.0.0.1:{port} is held by a "
         "program that is not rank 0's rendezvous store (no answer in 3 s); choose a free port"), lines
+
+
+# ---------------------------------------------------------------- out of memory
+
+
+def overcommit_mode() -> str:
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+@pytest.mark.skipif(overcommit_mode() not in ("0", "2"), reason="needs Linux refusing allocations beyond RAM + swap")
+def test_a_model_too_large_for_memory_is_one_line_with_the_need(data_dir, capsys):
+    """A 4 TiB weight matrix: refused by the allocator at once (never touched), then named."""
+    assert main(["--data", data_dir, "--arch", "roberta_tiny", "--encoder-embed-dim", "1048576",
+                 "--encoder-ffn-embed-dim", "1048576", "--no-save", "--device", "cpu"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        r"distlm: error: out of memory building the model: the allocator could not get 4\.0 TiB; the model's "
+        r"[\d,]+ parameters need about [\d.]+ TiB per rank for fp32 weights, gradients and Adam state under "
+        r"--strategy ddp \(dp 1 x tp 1\); use a smaller model, or shard it over more ranks "
+        r"\(--strategy fsdp, --tp-degree\)", lines[0]), lines
+
+
+def test_out_of_memory_in_the_first_update_is_one_line_with_the_remedy(data_dir, monkeypatch, capsys):
+    """The allocator's error, as torch raises it, from inside the first update."""
+    def allocation_fails(self, micro_batches):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(Trainer, "train_step", allocation_fails)
+    assert main(["--data", data_dir, "--arch", "roberta_tiny", "--tokens-per-sample", "32", "--batch-size", "4",
+                 "--no-save", "--device", "cpu"]) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        r"distlm: error: out of memory in update 1: the allocator could not get 64\.0 GiB; the model's [\d,]+ "
+        r"parameters need about [\d.]+ MiB per rank for fp32 weights, gradients and Adam state under --strategy "
+        r"ddp \(dp 1 x tp 1\), plus the activations of --batch-size 4 x --tokens-per-sample 32 tokens; lower "
+        r"--batch-size \(and raise --update-freq to keep the global batch\), add --activation-checkpointing, or "
+        r"shard the model \(--strategy fsdp\)", lines[0]), lines
