@@ -14,6 +14,7 @@ are listed in the file's metadata.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,14 +23,14 @@ from typing import Sequence
 
 from distlm.checkpoint import CheckpointReader
 from distlm.errors import OneLineErrorParser, UsageError
+from distlm.export_target import check_file_target
 from distlm.hf_export import export_hf
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 
 
-def export(checkpoint_path: str, out: str, verify: bool = True) -> Path:
+def export(checkpoint_path: str, out: str, verify: bool = True, overwrite: bool = False) -> Path:
     target = Path(out)
-    if target.is_dir():
-        raise UsageError(f"--out {out} is a directory; name the .safetensors file to write")
+    check_file_target(target, "--out", overwrite)
     try:
         reader = CheckpointReader(checkpoint_path, verify=verify)
     except UsageError as err:
@@ -55,8 +56,10 @@ def export(checkpoint_path: str, out: str, verify: bool = True) -> Path:
         write_safetensors_file(partial, specs, lambda name: reader.tensor(f"model.{name}"), metadata)
         os.replace(partial, target)
     except (OSError, ValueError) as exc:
-        partial.unlink(missing_ok=True)
-        raise UsageError(f"--out {out}: cannot write ({exc})") from None
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UsageError(f"--out {out}: cannot write ({reason})") from None
     return target
 
 
@@ -72,13 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"with --hf: largest safetensors file, e.g. 5GB or 500MB (default: {DEFAULT_MAX_SHARD_SIZE})")
     parser.add_argument("--no-verify-checkpoint", action="store_true",
                         help="do not verify the checkpoint's files against the checksums its save recorded")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an --hf directory or --out file that is not an earlier distlm export")
     try:
         args = parser.parse_args(argv)
+        verify = not args.no_verify_checkpoint
         if args.hf is not None:
-            export_hf(args.checkpoint, args.hf, args.max_shard_size, verify=not args.no_verify_checkpoint)
+            export_hf(args.checkpoint, args.hf, args.max_shard_size, verify=verify, overwrite=args.overwrite)
             path = Path(args.hf)
         else:
-            path = export(args.checkpoint, args.out, verify=not args.no_verify_checkpoint)
+            path = export(args.checkpoint, args.out, verify=verify, overwrite=args.overwrite)
     except UsageError as exc:
         print(f"distlm.export: error: {exc}", file=sys.stderr)
         return UsageError.exit_code

@@ -48,20 +48,49 @@ class Heartbeat:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=datetime.timedelta(seconds=max(10.0, 4 * interval)))
         self.store = dist.PrefixStore(f"{_PREFIX}/restart{restart}", store)
-        self.entered = 0
-        self.completed = 0
+        self._entered = 0
+        self._completed = 0
         self._beats = 0
         self._stopped = threading.Event()
+        self._moved = threading.Event()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="distlm-heartbeat", daemon=True)
         self._thread.start()
+
+    @property
+    def entered(self) -> int:
+        """The update this rank started last (0: none)."""
+        return self._entered
+
+    @entered.setter
+    def entered(self, update: int) -> None:
+        self._entered = update
+        self._moved.set()
+
+    @property
+    def completed(self) -> int:
+        """The update this rank finished last."""
+        return self._completed
+
+    @completed.setter
+    def completed(self, update: int) -> None:
+        self._completed = update
+        self._moved.set()
 
     def _publish(self) -> None:
         self._beats += 1
         self.store.set(str(self.rank), f"{self._beats} {self.entered} {self.completed}")
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.interval):
+        # Progress is published as soon as it moves, not at the next beat: a rank stopped
+        # a moment after finishing an update must not be reported as still before it (with
+        # beats 2 s apart and updates of a few ms, it was reported at update 0 after 3).
+        # The training thread only sets an event; the store round trip is made here.
+        while not self._stopped.is_set():
+            self._moved.wait(self.interval)
+            self._moved.clear()
+            if self._stopped.is_set():
+                return
             try:
                 self._publish()
             except (RuntimeError, dist.DistStoreError):  # the store's host is gone: nothing to tell
@@ -122,6 +151,7 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stopped.set()
+        self._moved.set()
         self._thread.join(timeout=2 * self.interval + 1)
 
 

@@ -9,13 +9,13 @@ checkpoint are copied beside them.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
 from distlm.checkpoint import TOKENIZER_DIR, CheckpointReader
 from distlm.errors import UsageError
+from distlm.export_target import check_directory_target, copy_regular_files, staged_directory
 from distlm.models.hf import SpecialTokens, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
 from distlm.models.registry import FAMILY_CONFIGS
@@ -24,10 +24,16 @@ logger = logging.getLogger("distlm")
 
 
 def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
-              verify: bool = True) -> list[Path]:
+              verify: bool = True, overwrite: bool = False) -> list[Path]:
     """Write ``out_dir`` from a checkpoint (directory, save dir or old single file); returns the files.
-    ``verify``: check the checkpoint's files against their recorded checksums first."""
+
+    ``verify``: check the checkpoint's files against their recorded checksums first. ``out_dir`` is
+    replaced whole once the export is complete (see distlm/export_target.py); one that holds anything
+    but an earlier export needs ``overwrite``.
+    """
     parse_size(max_shard_size)  # a bad size fails before anything is read
+    out = Path(out_dir)
+    check_directory_target(out, "--hf", overwrite)
     reader = CheckpointReader(checkpoint_path, verify=verify)
     meta = reader.meta
     family, model_config = meta.get("family"), meta.get("model_config")
@@ -38,24 +44,18 @@ def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_
             "config: resume it once and save again)"
         )
     config = FAMILY_CONFIGS[family](**model_config)
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--hf {out_dir} is a file; name a directory")
     names = reader.model_names()
     shapes = {name: reader.tensor_spec(f"model.{name}") for name in names}
     meta_tensors = {name: torch.empty(size, dtype=dtype, device="meta") for name, (size, dtype) in shapes.items()}
     tokens = SpecialTokens(**(meta.get("special_tokens") or {}))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        written = write_hf_directory(out, config, meta_tensors, lambda name: reader.tensor(f"model.{name}"), tokens,
+    source = {"checkpoint": str(reader.path), "num_updates": meta.get("progress", {}).get("num_updates")}
+    with staged_directory(out, "--hf", source) as stage:
+        written = write_hf_directory(stage, config, meta_tensors, lambda name: reader.tensor(f"model.{name}"), tokens,
                                      max_shard_size=max_shard_size)
-    except OSError as err:
-        raise UsageError(f"--hf {out_dir}: cannot write ({err.strerror or err})") from None
-    tokenizer = reader.path / TOKENIZER_DIR if reader.path.is_dir() else None
-    if tokenizer is not None and tokenizer.is_dir():
-        for file in sorted(tokenizer.iterdir()):
-            written.append(Path(shutil.copy2(file, out / file.name)))
-    else:
-        logger.warning("%s holds no tokenizer files (its data's dict.txt has no tokenizer distlm knows); "
-                       "copy your tokenizer's files into %s", reader.path, out)
-    return written
+        tokenizer = reader.path / TOKENIZER_DIR if reader.path.is_dir() else None
+        if tokenizer is not None and tokenizer.is_dir():
+            written += copy_regular_files(tokenizer, stage, reader.path)
+        else:
+            logger.warning("%s holds no tokenizer files (its data's dict.txt has no tokenizer distlm knows); "
+                           "copy your tokenizer's files into %s", reader.path, out)
+    return [out / path.name for path in written]

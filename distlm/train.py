@@ -7,6 +7,7 @@ distributed starts where possible; everything else is the Trainer's.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from typing import Sequence
 
@@ -16,6 +17,7 @@ from distlm.distributed import CollectiveFailure, shutdown
 from distlm.divergence import DivergenceError
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.parallel.replicas import ReplicaDrift
+from distlm.signals import exit_status
 from distlm.trainer import Trainer
 
 
@@ -31,6 +33,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = parse_args(argv)
         trainer = Trainer(config)
         trainer.precompile() if config.compile.precompile else trainer.fit()
+        if trainer.stop.agreed:
+            if is_main:
+                print(f"distlm: {trainer.stop_line()}", file=sys.stderr, flush=True)
+            return exit_status(trainer.stop.agreed[0])
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (the Trainer takes SIGINT over while it trains).
+        if is_main:
+            print("distlm: SIGINT before training started; nothing saved", file=sys.stderr, flush=True)
+        return exit_status(signal.SIGINT)
     except UsageError as exc:
         return report_usage_error("distlm: error: ", exc, rank)
     except DivergenceError as exc:

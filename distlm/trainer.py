@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distlm.agreement import check_ranks_agree
 from distlm.builder import build_model_for_run, log_start, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
@@ -31,11 +32,13 @@ from distlm.memory import memory_report
 from distlm.metrics import Printer, TrainStats, mfu_inputs
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
+from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
 from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
+from distlm.signals import StopSignals
 
 logger = logging.getLogger("distlm")
 
@@ -56,6 +59,8 @@ class Trainer:
                  dist: DistContext | None = None, states: dict[str, Stateful] | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
+        # Before any other collective: ranks launched differently must not reach DDP or the data.
+        check_ranks_agree(config, self.ctx.all_gather_object)
         # The spec validation checked; a context the caller made may have checked another config.
         self.spec = None if model is not None else self.ctx.spec if dist is None else resolve_model_spec(config.model)
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
@@ -68,17 +73,20 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
-        build = build_model_for_run(
-            self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
-            self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
-            weights_from_checkpoint=resume is not None and not config.checkpoint.load_partial,
-        )
-        self.model_inputs = ModelInputs.of(build.model, self.task)
-        self.fixed_length = config.data.tokens_per_sample if (
-            config.compile.compile or self.ctx.backend.static_shapes) else None
-        """Batches padded to this length, so compiled or traced graphs see one shape."""
-        self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
-                                              parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
+        vocab = len(dictionary) if dictionary is not None else 0
+        with naming_out_of_memory("building the model", lambda: self._state_need(
+                model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
+            build = build_model_for_run(
+                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
+                config.seed, model, weights_from_checkpoint=resume is not None and not config.checkpoint.load_partial,
+            )
+            self.model_inputs = ModelInputs.of(build.model, self.task)
+            self.fixed_length = config.data.tokens_per_sample if (
+                config.compile.compile or self.ctx.backend.static_shapes) else None
+            """Batches padded to this length, so compiled or traced graphs see one shape."""
+            self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
+                                                  parallel_options(config, self.ctx), build.whole_model,
+                                                  build.fill_shards)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
@@ -102,6 +110,10 @@ class Trainer:
         self.last_memory: dict[str, int] = {}
         self.resumed_at: int | None = None
         """The update this run resumed at; None for a fresh start."""
+        self.stop = StopSignals()
+        """SIGTERM, SIGINT and SIGUSR1 while ``fit`` runs: every rank stops at one update and saves."""
+        self.stop_saved: list[str] = []
+        """The checkpoint names saved when a stop signal ended the run."""
         if resume is not None:
             self.checkpointer.load(resume, self.states, config.seed, config.to_dict())
             self.resumed_at = self.progress.num_updates
@@ -124,13 +136,15 @@ class Trainer:
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
+        self.stop.install()  # before the data workers start: they ignore the stop signals
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
         try:
             while not (stop or self._done()):
                 # Everything one update does, collectives of logging and saving included.
-                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1):
+                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1), naming_out_of_memory(
+                        f"in update {self.progress.num_updates + 1}", self._step_need, STEP_REMEDY):
                     stop = self._update(next(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
@@ -141,14 +155,19 @@ class Trainer:
         finally:
             printer.close()
             self.checkpointer.close()
-        with self.ctx.naming_failed_collectives(self.progress.num_updates):
-            final = {**self.summary, "update": self.progress.num_updates,
-                     "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
-                     "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
-            printer.log(final, kind="summary")
-            self.checkpointer.announce_last()
-            self.ctx.close()
+        try:
+            with self.ctx.naming_failed_collectives(self.progress.num_updates):
+                final = {**self.summary, "update": self.progress.num_updates,
+                         "consumed_samples": self.progress.consumed_samples,
+                         "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                         "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
+                if self.stop.agreed:
+                    final["stopped_by"] = self.stop.describe()
+                printer.log(final, kind="summary")
+                self.checkpointer.announce_last()
+                self.ctx.close()
+        finally:
+            self.stop.restore()
         return final
 
     def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
@@ -167,6 +186,11 @@ class Trainer:
             printer.log(self.summary)
             stats.reset()
         ended = epoch_before + 1 if self.sampler.epoch_of(self.progress.consumed_samples) > epoch_before else None
+        if self.stop.agreed:
+            # Cadence aside, and no validation: the time left may be short.
+            self.stop_saved = self.checkpointer.due(self.progress.num_updates, ended, done=True)
+            self.save_checkpoint(self.stop_saved)
+            return True
         if applied or ended is not None or self._done():
             return self._validate_and_save(ended, printer)
         return False
@@ -215,14 +239,16 @@ class Trainer:
         device = self.ctx.device
         local_targets = sum(b["target_count"] for b in micro_batches)
         tensors = [to_device(b, device) for b in micro_batches]
-        global_targets = torch.tensor([local_targets], dtype=torch.float64, device=device)
+        # The stop signals ride along in the all-reduce of the global target count: every
+        # rank learns at this update that some rank was signalled, for no extra collective.
+        global_targets = torch.tensor([local_targets, *self.stop.local_flags()], dtype=torch.float64, device=device)
         if self.ctx.dp_group is not None:
             dist.all_reduce(global_targets, group=self.ctx.dp_group)
         loss_scale = self.precision.loss_scale
         # DDP averages gradients over replicas; multiplying by their number makes the
         # result the gradient of (summed loss / global target tokens): normalised once.
         # A device tensor, so nothing waits for the count to reach the host.
-        factor = (self.ctx.dims.dp * loss_scale / global_targets.clamp(min=1)).float()
+        factor = (self.ctx.dims.dp * loss_scale / global_targets[:1].clamp(min=1)).float()
         gradient_loss_scale = self.handle.gradient_loss_scale(loss_scale)
 
         self.model.train()
@@ -238,6 +264,7 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, update)
         gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
         gnorm_value = float(gnorm)  # the update's one host synchronisation
+        self._agree_on_stop(global_targets[1:])
         finite = math.isfinite(gnorm_value)
         applied = finite and self.handle.gradients_ready
         if not finite and self.precision.scaler is None:
@@ -280,6 +307,32 @@ class Trainer:
         if self.precision.scaler is not None:
             record["loss_scale"] = self.precision.loss_scale
         return record
+
+    def stop_line(self) -> str:
+        """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
+        return self.stop.describe_stop(self.progress.num_updates, self.checkpointer.save_dir,
+                                       self.stop_saved if self.checkpointer.enabled else None)
+
+    def _state_need(self, model: torch.nn.Module) -> str:
+        dims = self.ctx.dims
+        return describe_state_need(sum(p.numel() for p in model.parameters()), dims.strategy, dims.dp, dims.tp)
+
+    def _step_need(self) -> str:
+        data = self.config.data
+        return (f"{self._state_need(self.model)}, plus the activations of --batch-size {data.batch_size} x "
+                f"--tokens-per-sample {data.tokens_per_sample} tokens")
+
+    def _agree_on_stop(self, summed_flags: torch.Tensor) -> None:
+        """Whether any rank received a stop signal before this update, the same on every rank.
+
+        Read after the gradient norm's synchronisation, so the all-reduce has long completed.
+        Where the data-parallel group is not the world (tensor parallel), the flags are
+        summed once more over the world: one small all-reduce per update in that layout.
+        """
+        if self.ctx.is_distributed and self.ctx.dims.dp != self.ctx.world_size:
+            summed_flags = summed_flags.clone()
+            dist.all_reduce(summed_flags, group=self.ctx.world_group)
+        self.stop.agree(summed_flags.tolist())
 
     def _autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,98 @@ def test_out_that_is_a_directory_is_a_one_line_error(trained, tmp_path, capsys):
     assert main(["--checkpoint", str(ckpt), "--out", str(tmp_path)]) == 2
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "--out" in lines[0] and str(tmp_path) in lines[0], lines
+
+
+# ------------------------------------------------------- what an export may touch
+
+
+def checkpoint_with_tokenizer_links(ckpt: Path, root: Path) -> Path:
+    """A copy of ``ckpt`` whose tokenizer/ holds a real file, a link to a file outside the
+    checkpoint (a secret of this machine) and a subdirectory."""
+    copy = root / "shared_checkpoint"
+    shutil.copytree(ckpt, copy)
+    tokenizer = copy / "tokenizer"
+    tokenizer.mkdir(exist_ok=True)
+    (tokenizer / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    secret = root / "secret.txt"
+    secret.write_text("SECRET-KEY")
+    (tokenizer / "vocab.json").symlink_to(secret)
+    (tokenizer / "nested").mkdir()
+    return copy
+
+
+@pytest.mark.parametrize("trained", ["roberta_tiny"], indirect=True)
+def test_hf_export_copies_only_regular_files_and_refuses_foreign_directories(trained, tmp_path, capsys, caplog):
+    _, ckpt = trained
+    shared = checkpoint_with_tokenizer_links(ckpt, tmp_path)
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", str(shared), "--hf", str(out)]) == 0
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 32}'
+    assert not (out / "vocab.json").exists() and not (out / "nested").exists()
+    assert not any("SECRET" in path.read_text(errors="replace") for path in out.iterdir())
+    assert "left out nested, vocab.json (only regular files inside the checkpoint are exported)" in caplog.text
+
+    # Another model's directory is not replaced without --overwrite; a distlm export is.
+    other = tmp_path / "other_model"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["--checkpoint", str(ckpt), "--hf", str(other)]) == 2
+    assert error_lines(capsys.readouterr().err) == [
+        f"distlm.export: error: --hf {other} holds files that are not a distlm export (e.g. config.json); name a new "
+        "or empty directory, or pass --overwrite to replace the directory and all it holds"]
+    assert [p.name for p in other.iterdir()] == ["config.json"]
+    assert main(["--checkpoint", str(ckpt), "--hf", str(other), "--overwrite"]) == 0
+    assert (other / "model.safetensors").is_file()
+    assert main(["--checkpoint", str(ckpt), "--hf", str(out)]) == 0  # an earlier export: replaced
+
+    # The same for --out: a file that is not a distlm export is not replaced.
+    foreign = tmp_path / "foreign.safetensors"
+    foreign.write_bytes(b"not a model")
+    capsys.readouterr()
+    assert main(["--checkpoint", str(ckpt), "--out", str(foreign)]) == 2
+    assert len(error_lines(capsys.readouterr().err)) == 1 and foreign.read_bytes() == b"not a model"
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from distlm.models.hf import io
+from distlm.export import main
+
+def die(*args, **kwargs):  # after the weights are written, before config.json
+    os.kill(os.getpid(), signal.SIGKILL)
+
+io.write_json = die
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("trained", ["roberta_tiny"], indirect=True)
+def test_a_killed_export_leaves_the_previous_export_loadable(trained, tmp_path):
+    import transformers  # only here: importing it takes seconds
+
+    _, ckpt = trained
+    out = tmp_path / "hf"
+    assert main(["--checkpoint", str(ckpt), "--hf", str(out)]) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_EXPORT, "--checkpoint", str(ckpt), "--hf", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert transformers.AutoModelForMaskedLM.from_pretrained(out) is not None
+    abandoned = list(tmp_path.glob(".hf.*.partial"))
+    assert len(abandoned) == 1 and (abandoned[0] / "model.safetensors").is_file()
+    # The next export removes what the killed one left.
+    assert main(["--checkpoint", str(ckpt), "--hf", str(out)]) == 0
+    assert not list(tmp_path.glob(".hf.*"))
+
+
+@pytest.mark.parametrize("trained", ["roberta_tiny"], indirect=True)
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a read-only /proc")
+def test_out_on_a_location_that_cannot_be_written_is_one_line(trained, capsys):
+    _, ckpt = trained
+    for flag, target in (("--out", "/proc/model.safetensors"), ("--hf", "/proc/distlm-export")):
+        assert main(["--checkpoint", str(ckpt), flag, target]) == 2
+        lines = error_lines(capsys.readouterr().err)
+        assert len(lines) == 1 and lines[0].startswith(f"distlm.export: error: {flag} {target}: cannot write"), lines

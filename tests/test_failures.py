@@ -19,7 +19,7 @@ from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.distributed import CollectiveFailure
 from distlm.env import find_free_port
-from distlm.heartbeat import describe_missing
+from distlm.heartbeat import Heartbeat, describe_missing
 from distlm.errors import exit_without_teardown
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -174,3 +174,21 @@ def test_a_silent_store_names_the_rank_that_serves_it():
         "the other 2 ranks' progress is kept in that store")
     assert "agent" in describe_missing(None, 5, me=2, world_size=4, store_host=None, completed=4)
     assert "the store this rank serves" in describe_missing(None, 5, me=0, world_size=4, store_host=0, completed=4)
+
+
+def test_a_rank_stopped_right_after_an_update_is_reported_at_that_update():
+    """Progress reaches the store when it moves, not at the next beat: with beats a second
+    apart, a rank stopped 0.1 s after finishing update 3 was reported at update 0."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    beats = [Heartbeat("127.0.0.1", store.port, rank, 2, interval=1.0) for rank in range(2)]
+    try:
+        for update in (1, 2, 3):
+            beats[1].entered = update
+            beats[1].completed = update
+        beats[0].entered = 4
+        time.sleep(0.1)
+        beats[1].close()  # as SIGSTOP would: it beats no more
+        assert beats[0].describe_missing(4) == "ranks [1] stopped responding (rank 1 last completed update 3)"
+    finally:
+        for beat in beats:
+            beat.close()

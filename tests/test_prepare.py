@@ -345,6 +345,9 @@ def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared
         ("no_documents", "holds no documents"),
         ("bad_fraction", "--valid-fraction"),
         ("unknown_flag", "unrecognized arguments"),
+        ("lone_surrogate", "line 2: 'text' holds '\\ud800', a lone UTF-16 surrogate"),
+        ("out_holds_dict_txt", "holds a dict.txt (a fairseq vocabulary)"),
+        ("out_holds_another_tokenizer", "holds the data of another tokenizer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, tokenizer_dir, capsys):
@@ -376,6 +379,13 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
         extra = ["--valid-fraction", "1.5"]
     elif case == "unknown_flag":
         extra = ["--vocab-size", "3"]
+    elif case == "lone_surrogate":
+        jsonl.write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')
+        args["--input"] = str(jsonl)
+    elif case.startswith("out_holds"):
+        (tmp_path / "out").mkdir()
+        name = "dict.txt" if case == "out_holds_dict_txt" else "tokenizer.json"
+        (tmp_path / "out" / name).write_text("another vocabulary\n")
     argv = [item for pair in args.items() for item in pair] + extra
     assert main(argv) == 2
     captured = capsys.readouterr()

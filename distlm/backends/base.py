@@ -21,6 +21,7 @@ import torch.distributed as dist
 from distlm.choices import NETWORKS, PRECISIONS
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, first_line
+from distlm.master_probe import check_master_answers
 from distlm.precision import computes_in_fp16
 
 
@@ -90,6 +91,8 @@ def create_store(
             raise UsageError(f"launcher {env.launcher} gives no master port: export MASTER_PORT")
         port = 0  # one process: the OS picks a port that is free, no guessing
     is_master = env.rank == 0 and not uses_agent_store(env, environ)
+    if not is_master and not uses_agent_store(env, environ):
+        check_master_answers(env.master_addr, port, env.rank, timeout.total_seconds())
     try:
         store = dist.TCPStore(
             env.master_addr,

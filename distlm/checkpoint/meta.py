@@ -7,6 +7,7 @@ the file and the key wherever it is read, never in a KeyError later on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,28 @@ def check(meta: dict[str, Any], where: Path) -> None:
         if key not in meta:
             raise UsageError(f"{where} holds no {key!r}; the checkpoint is damaged")
     _check_fields(meta["progress"], _PROGRESS_FIELDS, "progress", where)
+    for key in _PROGRESS_FIELDS:
+        if meta["progress"][key] < 0:
+            raise UsageError(f"{where}: progress.{key} is {meta['progress'][key]}, below 0; the checkpoint is damaged")
     if meta.get("scaler") is not None:
         _check_fields(meta["scaler"], _SCALER_FIELDS, "scaler", where)
+    _check_model_config(meta.get("family"), meta.get("model_config"), where)
+
+
+def _check_model_config(family: Any, model_config: Any, where: Path) -> None:
+    """The model settings an export builds its config from name only settings of the family's model."""
+    from distlm.models import LlamaConfig, RobertaConfig  # the models import nothing of checkpoints
+
+    kinds = {"llama": LlamaConfig, "roberta": RobertaConfig}
+    if model_config is None or family not in kinds:
+        return
+    if not isinstance(model_config, dict):
+        raise UsageError(f"{where}: 'model_config' is not a table; the checkpoint is damaged")
+    known = {field.name for field in dataclasses.fields(kinds[family])}
+    unknown = sorted(set(model_config) - known)
+    if unknown:
+        raise UsageError(f"{where}: model_config.{unknown[0]} is not a setting of distlm's {family} model; "
+                         "the checkpoint is damaged or from another version")
 
 
 def _check_fields(section: Any, fields: dict[str, type | tuple[type, ...]], name: str, where: Path) -> None:

@@ -10,6 +10,7 @@ import torch
 from distlm.data.masking import IGNORE_INDEX
 from distlm.data.sampler import GlobalBatchSampler
 from distlm.errors import UsageError
+from distlm.signals import ignore_stop_signals
 
 
 class UpdateBatches(torch.utils.data.Dataset):
@@ -66,7 +67,8 @@ def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int,
     dataset = UpdateBatches(data, sampler, start, pad, pad_to, positions)
     if num_workers == 0:
         return map(dataset.__getitem__, itertools.count())
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers,
+                                         worker_init_fn=ignore_stop_signals)
     return iter(loader)
 
 

@@ -186,6 +186,28 @@ class MMapIndexedDataset:
         """Sequence ``index`` as an int64 array (a copy; the file stays read-only)."""
         return self.get_slice(index, 0, int(self.sizes[index]))
 
+    def find_id_outside(self, low: int, high: int) -> tuple[int, int] | None:
+        """The first token id outside ``[low, high)`` and its sequence; None if every id is inside.
+
+        One pass over the .bin in chunks of 64 Mi ids: about a second per few GB.
+        """
+        if not len(self.sizes) or not self._data.size:
+            return None
+        start = int(self.pointers[0])
+        end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+        ids = np.frombuffer(self._data, dtype=self.dtype.newbyteorder("<"), count=(end - start) // self.dtype.itemsize,
+                            offset=start)
+        chunk = 1 << 26
+        for first in range(0, len(ids), chunk):
+            part = ids[first:first + chunk]
+            if part.min() >= low and part.max() < high:
+                continue
+            position = first + int(np.argmax((part < low) | (part >= high)))
+            byte = start + position * self.dtype.itemsize
+            sequence = int(np.searchsorted(self.pointers, byte, side="right")) - 1
+            return int(ids[position]), sequence
+        return None
+
     def get_slice(self, index: int, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``index``, reading only those bytes."""
         if not 0 <= index < len(self.sizes):

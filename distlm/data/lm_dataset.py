@@ -64,6 +64,15 @@ class LMData:
         self.tokens_per_sample = tokens_per_sample
         self.fixed_masks = fixed_masks
         self.tokenizer_dir: Path | None = dictionary.tokenizer_dir if isinstance(dictionary, HFVocabulary) else None
+        # All of the file, at load: a bad id met at a sample would stop only the rank (or the
+        # data worker) that reads it, possibly hours in, while the other ranks wait for it.
+        outside = tokens.find_id_outside(0, len(dictionary))
+        if outside is not None:
+            raise UsageError(
+                f"data {tokens.prefix} holds token id {outside[0]} (in sequence {outside[1]}) outside the dictionary's "
+                f"{len(dictionary)} symbols; the vocabulary (dict.txt or tokenizer.json) and the .bin files "
+                f"do not belong together"
+            )
         if task == "masked_lm":
             # One slot is kept for the <s> that starts every sample (fairseq masked_lm).
             self.blocks = TokenBlockDataset(tokens, tokens_per_sample - 1, sample_break_mode)

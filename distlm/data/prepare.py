@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, load_tokenizer
+from distlm.data.hf_tokenizer import TOKENIZER_FILE, HFVocabulary, copy_tokenizer_files, load_tokenizer
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
 from distlm.errors import OneLineErrorParser, UsageError
 
@@ -90,7 +90,24 @@ def _json_text(line: str, key: str, path: Path, line_number: int) -> str:
     text = record[key]
     if not isinstance(text, str):
         raise UsageError(f"{where}: {key!r} holds a JSON {type(text).__name__}, not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate escape such as \ud800, which no tokenizer takes
+        raise UsageError(f"{where}: {key!r} holds {err.object[err.start:err.end]!r}, a lone UTF-16 surrogate "
+                         "and not text; fix the escape in that line") from None
     return text
+
+
+def check_out_vocabulary(out: Path, tokenizer_dir: Path) -> None:
+    """Refuse an ``out`` that already holds another vocabulary: training reads a ``dict.txt``
+    before a tokenizer, and an export would ship the tokenizer found there."""
+    if (out / "dict.txt").exists():
+        raise UsageError(f"--out {out} holds a dict.txt (a fairseq vocabulary), which training would read instead "
+                         f"of the tokenizer of {tokenizer_dir}; name a new or empty directory")
+    existing, ours = out / TOKENIZER_FILE, tokenizer_dir / TOKENIZER_FILE
+    if existing.is_file() and ours.is_file() and existing.read_bytes() != ours.read_bytes():
+        raise UsageError(f"--out {out} holds the data of another tokenizer ({TOKENIZER_FILE} differs from "
+                         f"{tokenizer_dir}'s); name a new or empty directory")
 
 
 def input_format(path: Path, json_key: str | None) -> str | None:
@@ -146,6 +163,7 @@ def prepare(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; name a directory to write the data into")
+    check_out_vocabulary(out, Path(tokenizer_dir))
     paths = [Path(path) for path in inputs]
     started = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_dir)

@@ -10,6 +10,7 @@ one at a time, so only one tensor is in memory however large the shard.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -66,8 +67,47 @@ def read_json(directory: str | Path, name: str) -> dict[str, Any]:
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
-    """The model's ``config.json``."""
-    return read_json(directory, CONFIG_NAME)
+    """The model's ``config.json``, its sizes and numbers checked for type and range."""
+    config = read_json(directory, CONFIG_NAME)
+    check_config_values(config, Path(directory) / CONFIG_NAME)
+    return config
+
+
+# Sizes a config.json may hold, with the largest distlm accepts: far above any published
+# model, far below what would ask the allocator for terabytes (a vocab_size of 10^13 did).
+_SIZE_LIMITS = {
+    "vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "head_dim": 1 << 16,
+    "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14,
+    "max_position_embeddings": 1 << 27, "original_max_position_embeddings": 1 << 27, "type_vocab_size": 1 << 10,
+}
+_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "attention_dropout", "hidden_dropout_prob",
+            "attention_probs_dropout_prob", "initializer_range", "factor", "low_freq_factor", "high_freq_factor",
+            "partial_rotary_factor")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+
+def check_config_values(config: dict[str, Any], path: Path) -> None:
+    """Refuse, in one line, a size that is not a whole number in range, a number that is
+    text, or rotary settings that are not an object: converting them fails deep in torch."""
+    rope = [(f"{key}.", config[key]) for key in _ROPE_KEYS if config.get(key) is not None]
+    for prefix, value in rope:
+        if not isinstance(value, dict):
+            raise UsageError(f"{path}: {prefix[:-1]}={value!r} must be an object of rotary settings")
+    for prefix, values in [("", config)] + rope:
+        for key, value in values.items():
+            where = f"{path}: {prefix}{key}={value!r}"
+            if key in _SIZE_LIMITS and value is not None:
+                low = 0 if key == "type_vocab_size" else 1
+                if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _SIZE_LIMITS[key]:
+                    raise UsageError(f"{where} must be a whole number from {low} to {_SIZE_LIMITS[key]:,}")
+            elif key in _NUMBERS and value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise UsageError(f"{where} must be a number")
+            elif key in _FLAGS and not isinstance(value, bool):
+                raise UsageError(f"{where} must be true or false")
+            elif key in ("rope_type", "type") and prefix and not isinstance(value, str):
+                raise UsageError(f"{where} must be the name of a rope type")
 
 
 def write_json(directory: str | Path, name: str, value: dict[str, Any]) -> Path:

@@ -1,0 +1,108 @@
+"""Every rank must train with the same settings on the same data: checked once, at start.
+
+A rank launched with another ``--lr`` or ``--seed`` trains a diverging replica or reads
+another order of the data without any error; another ``--arch`` or ``--strategy`` reaches
+DDP or FSDP with mismatched collectives, which hang or fail deep inside torch. So right
+after the process group starts, before any other collective, every rank hashes its
+resolved configuration (minus what is legitimately per rank) and a fingerprint of its
+data, and the hashes are gathered: one all-gather of 64 bytes per rank. Only when they
+differ are the settings themselves gathered, to name the first that differs and the
+ranks holding each value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from distlm.errors import UsageError
+
+# Settings that may differ between ranks: the rank itself, host-side loading, the log's
+# look and a node-local compile cache. --data is compared by what it holds (the data
+# fingerprint), since nodes may keep the same data under different paths.
+PER_RANK = frozenset({"distributed_rank", "num_workers", "log_format", "compile_cache", "data"})
+
+# Index files are small next to the token files; a prefix this long identifies them in
+# practice, and the recorded size of every file covers the rest.
+HASHED_PREFIX_BYTES = 64 << 20
+
+
+def fingerprint_data(path: str | None) -> str:
+    """Sizes of every file of a data directory, and a hash of its dictionary and index files."""
+    if path is None:
+        return "the built-in corpus"
+    root = Path(path)
+    if not root.is_dir():
+        return "no such directory"
+    digest = hashlib.sha256()
+    for entry in sorted(root.iterdir()):
+        if not entry.is_file():
+            continue
+        digest.update(f"{entry.name}:{entry.stat().st_size};".encode())
+        if entry.name.endswith((".txt", ".idx", ".json")):
+            with open(entry, "rb") as f:
+                digest.update(f.read(HASHED_PREFIX_BYTES))
+    return f"contents {digest.hexdigest()[:12]}"
+
+
+def shared_settings(config: Any) -> dict[str, str]:
+    """The settings every rank must share, by command-line flag, with their values as text."""
+    settings: dict[str, str] = {}
+    for section, fields in config.to_dict().items():
+        for name, value in (fields.items() if isinstance(fields, dict) else [(section, fields)]):
+            if name not in PER_RANK:
+                settings[f"--{name.replace('_', '-')}"] = json.dumps(value, default=str)
+    settings["--data"] = fingerprint_data(config.data.data)
+    return settings
+
+
+def hash_settings(settings: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``ranks 0-2, 5``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+def find_disagreement(per_rank: list[dict[str, str]], data_paths: list[str | None] | None = None) -> str | None:
+    """The first setting the ranks hold different values of, as one line; None if they agree.
+
+    ``data_paths``: each rank's --data, shown beside its fingerprint.
+    """
+    flags = list(per_rank[0]) + sorted(set().union(*per_rank[1:]) - per_rank[0].keys())
+    for flag in flags:
+        values: dict[str, list[int]] = {}
+        for rank, settings in enumerate(per_rank):
+            value = settings.get(flag, "(unset)")
+            if flag == "--data" and data_paths is not None:
+                value = f"{data_paths[rank]} ({value})"
+            values.setdefault(value, []).append(rank)
+        if len(values) > 1:
+            held = "; ".join(f"{value} on {describe_ranks(ranks)}" for value, ranks in values.items())
+            return (f"the ranks were launched with different {flag}: {held}; "
+                    "give every rank the same settings and data")
+    return None
+
+
+def check_ranks_agree(config: Any, all_gather_object) -> None:
+    """Refuse to train (``UsageError`` on every rank) unless all ranks' settings and data agree.
+
+    ``all_gather_object(obj)`` gathers one object of every rank in rank order (collective).
+    """
+    settings = shared_settings(config)
+    hashes = all_gather_object(hash_settings(settings))
+    if len(set(hashes)) == 1:
+        return
+    gathered = all_gather_object((settings, config.data.data))
+    problem = find_disagreement([s for s, _ in gathered], [path for _, path in gathered])
+    raise UsageError(problem or "the ranks' settings differ (their hashes do); give every rank the same settings")
