@@ -17,7 +17,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from distlm.builder import build_model_for_run, log_start, parallel_options, resolve_model_spec, training_data
+from distlm.builder import (build_model_for_run, choose_vocabulary, log_start, parallel_options, resolve_model_spec,
+                            training_data)
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
@@ -54,7 +55,7 @@ class Trainer:
                  dist: DistContext | None = None):
         self.config = config
         self.ctx = dist if dist is not None else init_distributed(config, model)
-        self.spec = resolve_model_spec(config.model) if model is None else None
+        self.spec = resolve_model_spec(config.model, config.data.tokens_per_sample) if model is None else None
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
@@ -65,8 +66,9 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
+        vocabulary = choose_vocabulary(self.spec, dictionary, config.model) if model is None else None
         build = build_model_for_run(
-            self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
+            self.spec, vocabulary.size if vocabulary else 0, self.pad_id,
             self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
             weights_from_checkpoint=resume is not None,
         )
@@ -76,7 +78,7 @@ class Trainer:
         """Batches padded to this length, so compiled or traced graphs see one shape."""
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                               parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
-        log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed)
+        log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed, vocabulary)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,
@@ -116,7 +118,8 @@ class Trainer:
         printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main)
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
-            self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
+            self.precision.autocast_dtype or self.precision.param_dtype,
+            cfg.data.mask_prob if self.task == "masked_lm" else 1.0), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
