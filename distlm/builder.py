@@ -24,13 +24,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from distlm.config import ModelConfig, arch_overrides
+from distlm.data.dictionary import MASK_SYMBOL
 from distlm.memory import memory_report
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models import ARCHS
+from distlm.models import ARCHS, LlamaConfig, RobertaConfig
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
-from distlm.models.registry import FAMILIES
-from distlm.parallel.names import single_device_name
+from distlm.models.registry import FAMILIES, POSITIONS_FROM_SAMPLES
+from distlm.parallel.names import single_device_name, unwrap
 
 logger = logging.getLogger("distlm")
 
@@ -58,32 +59,78 @@ class ModelSpec:
     def family(self) -> str:
         return FAMILIES[self.model_class]
 
-    def build(self, data_vocab_size: int, padding_idx: int) -> nn.Module:
-        """The model on the meta device, sized for a dictionary of ``data_vocab_size`` symbols.
-
-        A model with a vocabulary of its own (a published arch, a Hugging Face model) may
-        train on a smaller dictionary: the extra rows are padding, as Megatron pads its
-        vocabulary. A larger dictionary does not fit.
-        """
-        vocab = self.config.vocab_size or data_vocab_size
-        if data_vocab_size > vocab:
-            raise UsageError(
-                f"the data's dictionary has {data_vocab_size} symbols but {self.name} has a vocabulary of "
-                f"{vocab}; use data tokenized for this model, or an arch sized from the data"
-            )
+    def build(self, vocab_size: int, padding_idx: int) -> nn.Module:
+        """The model on the meta device with ``vocab_size`` rows (``choose_vocabulary``)."""
         # A Hugging Face model keeps its own padding id; a named arch pads with the data's.
         padding = self.config.padding_idx if self.hf_dir is not None else padding_idx
         with torch.device("meta"):
-            return self.model_class(dataclasses.replace(self.config, vocab_size=vocab, padding_idx=padding))
+            return self.model_class(dataclasses.replace(self.config, vocab_size=vocab_size, padding_idx=padding))
 
 
-def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
-    """The model of ``--arch`` (with fairseq's size flags) or of ``--init-from-hf``."""
+@dataclass(frozen=True)
+class Vocabulary:
+    """How many rows the token embedding has, and why (the start-up log says it)."""
+
+    size: int
+    source: str
+
+
+def choose_vocabulary(spec: ModelSpec, dictionary: Any, settings: ModelConfig) -> Vocabulary:
+    """The vocabulary a run builds: as fairseq, the data's dictionary (dict.txt, plus
+    ``<mask>`` for masked LM); the published model's own vocabulary where the weights
+    (--init-from-hf) or the tokenizer (data prepared with a Hugging Face tokenizer that
+    fits it) come from it; an explicit --vocab-size when at least the dictionary's size.
+    Rows beyond the dictionary are never looked up, as a published tokenizer's padding
+    rows are not. A dictionary larger than the vocabulary is refused in one line.
+    """
+    symbols = len(dictionary) if dictionary is not None else 0
+    published = spec.config.vocab_size
+    if spec.hf_dir is not None:
+        if settings.vocab_size not in (None, published):
+            raise UsageError(f"--vocab-size {settings.vocab_size} differs from the {published} rows of the weights "
+                             f"in --init-from-hf {spec.hf_dir}; drop --vocab-size")
+        chosen = Vocabulary(published, f"--init-from-hf {spec.hf_dir / io.CONFIG_NAME}")
+    elif settings.vocab_size is not None:
+        chosen = Vocabulary(settings.vocab_size, "--vocab-size")
+    elif published and hasattr(dictionary, "tokenizer_dir") and symbols <= published:
+        chosen = Vocabulary(published, f"{spec.name}'s published vocabulary, as the data's tokenizer "
+                                       f"{dictionary.tokenizer_dir} has {symbols} ids")
+    elif symbols:
+        chosen = Vocabulary(symbols, _dictionary_source(dictionary))
+    else:  # a user's own data object without a dictionary: only a published size can say
+        chosen = Vocabulary(published, f"{spec.name}'s published vocabulary")
+    if symbols > chosen.size:
+        fix = ("drop --vocab-size or raise it" if chosen.source == "--vocab-size"
+               else "use data tokenized for this model, or give --vocab-size")
+        raise UsageError(f"the data's dictionary has {symbols} symbols but {spec.name} has a vocabulary of "
+                         f"{chosen.size} ({chosen.source}); {fix}")
+    multiple = settings.pad_vocab_to_multiple
+    if multiple > 1 and spec.hf_dir is None and chosen.size % multiple:
+        padded = -(-chosen.size // multiple) * multiple
+        chosen = Vocabulary(padded, f"{chosen.source}, {chosen.size} padded to a multiple of {multiple}")
+    return chosen
+
+
+def _dictionary_source(dictionary: Any) -> str:
+    if hasattr(dictionary, "tokenizer_dir"):
+        return f"the data's tokenizer {dictionary.tokenizer_dir}"
+    mask = " + <mask>" if MASK_SYMBOL in dictionary.symbols else ""
+    return f"the data's dictionary (dict.txt{mask})"
+
+
+def resolve_model_spec(settings: ModelConfig, tokens_per_sample: int | None = None) -> ModelSpec:
+    """The model of ``--arch`` (with fairseq's size flags) or of ``--init-from-hf``.
+
+    ``tokens_per_sample`` sizes the learned positions of fairseq's own archs when
+    --max-positions is not given, as fairseq's masked LM does.
+    """
     if settings.init_from_hf is None:
         if settings.arch not in ARCHS:
             raise UsageError(f"--arch {settings.arch} is unknown; choose one of: {', '.join(ARCHS)}")
         model_class, base = ARCHS[settings.arch]
         overrides = arch_overrides(settings, FAMILIES[model_class])
+        if settings.arch in POSITIONS_FROM_SAMPLES and settings.max_positions is None and tokens_per_sample:
+            overrides["max_positions"] = tokens_per_sample
         return ModelSpec(settings.arch, model_class, _replace(base, overrides, f"--arch {settings.arch}"))
     directory = Path(settings.init_from_hf)
     if not (directory / io.CONFIG_NAME).is_file():
@@ -93,7 +140,8 @@ def resolve_model_spec(settings: ModelConfig) -> ModelSpec:
     config, tokens = adapter.config_from_hf(hf_config)
     family = FAMILIES[adapter.model_class]
     overrides = arch_overrides(settings, family)
-    sized = sorted(set(overrides) & set(_SIZE_FIELDS + ("max_positions", "max_seq_len")))
+    sized = sorted(set(overrides) & set(_SIZE_FIELDS + ("max_positions", "max_seq_len", "multiple_of",
+                                                         "ffn_dim_multiplier")))
     if sized:
         raise UsageError(
             f"--init-from-hf takes the model's sizes from {directory / io.CONFIG_NAME}; drop the flags that "
@@ -246,10 +294,11 @@ def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int) -> None:
+def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int,
+              vocabulary: Vocabulary | None = None) -> None:
     """Rank 0 says what it found before the first update, which may take minutes: the
-    data, the model's size and what each rank holds of it, and where it starts from
-    (``fresh``: the spec of a run not resumed from a checkpoint)."""
+    data, the model's size and shape and what each rank holds of it, and where it starts
+    from (``fresh``: the spec of a run not resumed from a checkpoint)."""
     if not is_main:
         return
     dictionary = getattr(data, "dictionary", None)
@@ -258,6 +307,9 @@ def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | Non
     held = memory_report(model, None)
     logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
                 f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
+    config = getattr(unwrap(model), "config", None)
+    if isinstance(config, (LlamaConfig, RobertaConfig)):
+        logger.info("model shape: %s", describe_shape(config, vocabulary))
     if fresh is not None:
         logger.info("starting from %s", f"the weights in --init-from-hf {fresh.hf_dir}"
                     if fresh.hf_dir is not None else f"seed {seed}")
@@ -270,3 +322,23 @@ def _parameter_count(model: nn.Module) -> int:
 
 def _sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def describe_shape(config: LlamaConfig | RobertaConfig, vocabulary: Vocabulary | None = None) -> str:
+    """Layers, width, heads, KV heads, head size, FFN, vocabulary (and where it came from),
+    positions, and for Llama the rotary base and scaling: what the command line built."""
+    if isinstance(config, LlamaConfig):
+        heads, kv_heads, head_size, ffn = config.n_heads, config.kv_heads, config.head_dim, config.ffn_hidden_dim
+        scaling = "no scaling"
+        if config.llama3_scaling is not None:
+            factor, low, high, original = config.llama3_scaling
+            scaling = (f"llama3 scaling (factor {factor:g}, low {low:g}, high {high:g}, "
+                       f"original {original} positions)")
+        positions = f"{config.max_seq_len} rotary positions (theta {config.rope_theta:g}, {scaling})"
+        tied = ", output tied to the embedding" if config.tie_word_embeddings else ""
+    else:
+        heads, kv_heads, head_size, ffn = config.n_heads, config.n_heads, config.dim // config.n_heads, config.ffn_dim
+        positions, tied = f"{config.max_positions} learned positions", ""
+    source = f" ({vocabulary.source})" if vocabulary is not None else ""
+    return (f"{config.n_layers} layers, width {config.dim}, {heads} heads, {kv_heads} KV heads, head size "
+            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}")

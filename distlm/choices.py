@@ -51,6 +51,9 @@ LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")
 
+ROPE_SCALINGS = ("none", "llama3")
+"""``--rope-scaling``: plain rotary frequencies, or Llama 3.1's scaling (the model's rope_type llama3)."""
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "sample_break_mode": SAMPLE_BREAK_MODES,
@@ -64,5 +67,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "comm_transport": COMM_TRANSPORTS,
     "log_format": LOG_FORMATS,
     "best_checkpoint_metric": BEST_CHECKPOINT_METRICS,
+    "rope_scaling": ROPE_SCALINGS,
 }
 """Config field name -> its allowed values."""

@@ -56,9 +56,41 @@ class ModelConfig:
     decoder_attention_heads: int | None = None
     """Llama: query heads (fairseq --decoder-attention-heads)."""
     kv_heads: int | None = None
-    """Llama: key/value heads for grouped-query attention."""
+    """Llama: key/value heads for grouped-query attention; default: the arch's own, or with
+    --decoder-attention-heads the same number of heads (no grouping)."""
+    head_dim: int | None = None
+    """Llama: size of each attention head; default: the width / heads."""
+    multiple_of: int | None = None
+    """Llama: the derived feed-forward size (without --decoder-ffn-embed-dim) is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Llama: scales the derived feed-forward size before rounding (Llama 3: 1.3)."""
+    norm_eps: float | None = None
+    """Epsilon of every norm (RoBERTa's LayerNorms, Llama's RMSNorms); default: the arch's own."""
+    rope_theta: float | None = None
+    """Llama: base of the rotary frequencies; default: the arch's own (10000, Llama 3: 500000)."""
+    rope_scaling: str | None = None
+    """Llama: rotary frequency scaling, none or llama3 (Llama 3.1's, set by the --rope-factor,
+    --rope-low-freq-factor, --rope-high-freq-factor and --rope-original-max-seq-len); default: the arch's own."""
+    rope_factor: float | None = None
+    """Llama, --rope-scaling llama3: low frequencies are divided by this (Llama 3.1: 8)."""
+    rope_low_freq_factor: float | None = None
+    """Llama, --rope-scaling llama3: wavelengths above original length / this are fully scaled (Llama 3.1: 1)."""
+    rope_high_freq_factor: float | None = None
+    """Llama, --rope-scaling llama3: wavelengths below original length / this are kept (Llama 3.1: 4)."""
+    rope_original_max_seq_len: int | None = None
+    """Llama, --rope-scaling llama3: the context length before the extension (Llama 3.1: 8192)."""
+    tie_word_embeddings: bool | None = None
+    """Llama: the output projection is the token embedding (true|false); RoBERTa's always is."""
     max_positions: int | None = None
-    """Longest sample the model accepts, in tokens (RoBERTa's learned positions, Llama's rotary tables)."""
+    """Longest sample the model accepts, in tokens (RoBERTa's learned positions, Llama's rotary tables);
+    default: the arch's own, for fairseq's roberta_base/roberta_large from scratch --tokens-per-sample as in fairseq."""
+    vocab_size: int | None = None
+    """Rows of the token embedding; at least the data's dictionary, the extra rows unused. Default: the data's
+    dictionary (dict.txt + <mask> for masked LM, as fairseq), or the published vocabulary with --init-from-hf or
+    with data tokenized by a Hugging Face tokenizer that fits it."""
+    pad_vocab_to_multiple: int = 1
+    """Round the vocabulary up to a multiple of this (8 or 64 can speed the output projection); 1 keeps
+    fairseq's exact size and parameter count."""
 
 
 @dataclass
@@ -308,12 +340,25 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "decoder_ffn_embed_dim": ("llama", "ffn_dim"),
     "decoder_attention_heads": ("llama", "n_heads"),
     "kv_heads": ("llama", "n_kv_heads"),
+    "head_dim": ("llama", "head_size"),
+    "multiple_of": ("llama", "multiple_of"),
+    "ffn_dim_multiplier": ("llama", "ffn_dim_multiplier"),
+    "rope_theta": ("llama", "rope_theta"),
+    "rope_scaling": ("llama", "rope_type"),
+    "rope_factor": ("llama", "rope_factor"),
+    "rope_low_freq_factor": ("llama", "rope_low_freq_factor"),
+    "rope_high_freq_factor": ("llama", "rope_high_freq_factor"),
+    "rope_original_max_seq_len": ("llama", "rope_original_max_seq_len"),
+    "tie_word_embeddings": ("llama", "tie_word_embeddings"),
 }
+# --rope-scaling's names (choices.ROPE_SCALINGS) for the model's rope_type.
+ROPE_SCALING_TYPES = {"none": "default", "llama3": "llama3"}
 # Settings every arch has, under the config field of each family.
 SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
     "dropout": {"roberta": "dropout", "llama": "dropout"},
     "attention_dropout": {"roberta": "attention_dropout", "llama": "attention_dropout"},
     "max_positions": {"roberta": "max_positions", "llama": "max_seq_len"},
+    "norm_eps": {"roberta": "layer_norm_eps", "llama": "norm_eps"},
 }
 
 # Allowed ranges: (lowest, highest, lowest allowed, highest allowed); None: unbounded.
@@ -340,6 +385,10 @@ BOUNDS: dict[str, tuple] = {
     "encoder_attention_heads": _AT_LEAST_1, "decoder_layers": _LAYERS, "decoder_embed_dim": _WIDTH,
     "decoder_ffn_embed_dim": _WIDTH, "decoder_attention_heads": _AT_LEAST_1, "kv_heads": _AT_LEAST_1,
     "max_positions": (1, 2**24, True, True),  # 16 M; position tables are allocated whole
+    "head_dim": _WIDTH, "multiple_of": _WIDTH, "ffn_dim_multiplier": _POSITIVE, "norm_eps": _POSITIVE,
+    "rope_theta": _POSITIVE, "rope_factor": _POSITIVE, "rope_low_freq_factor": _POSITIVE,
+    "rope_high_freq_factor": _POSITIVE, "rope_original_max_seq_len": _AT_LEAST_1,
+    "vocab_size": (1, 2**24, True, True), "pad_vocab_to_multiple": (1, 2**16, True, True),
     "max_update": _NOT_NEGATIVE, "max_epoch": _NOT_NEGATIVE, "warmup_updates": _NOT_NEGATIVE,
     "save_interval_updates": _NOT_NEGATIVE, "validate_interval_updates": _NOT_NEGATIVE,
     "clip_norm": _NOT_NEGATIVE, "weight_decay": _NOT_NEGATIVE,
@@ -576,11 +625,16 @@ def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
         if value is None:
             continue
         if flag_family != family:
+            verb = "sizes" if name.startswith(("encoder_", "decoder_")) else "belongs to"
             raise UsageError(
-                f"--{name.replace('_', '-')} sizes a {flag_family} model, but --arch {model.arch} is a {family} model; "
-                f"drop it or use the --{'decoder' if family == 'llama' else 'encoder'}-* flags"
+                f"--{name.replace('_', '-')} {verb} a {flag_family} model, but --arch {model.arch} is a {family} "
+                f"model; drop it or use the --{'decoder' if family == 'llama' else 'encoder'}-* flags"
             )
-        overrides[field_name] = value
+        overrides[field_name] = ROPE_SCALING_TYPES[value] if name == "rope_scaling" else value
+    if family == "llama" and model.decoder_attention_heads is not None and model.kv_heads is None:
+        # New query heads without --kv-heads: one key/value head per query head, never the
+        # arch's old grouping silently kept.
+        overrides["n_kv_heads"] = model.decoder_attention_heads
     return overrides
 
 

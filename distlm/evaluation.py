@@ -68,6 +68,8 @@ class Validator:
         self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
             compute_loss, loss_context, local_loss, autocast)
         self.enabled = bool(subsets)
+        self.sum_dtype = torch.float32 if ctx.backend.static_shapes else torch.float64
+        """Of the loss sums on the device (see ``_subset``)."""
         self._validated_at: int | None = None
         self.batch_size = config.data.batch_size_valid or config.data.batch_size
         self.metric = config.checkpoint.best_checkpoint_metric
@@ -108,7 +110,12 @@ class Validator:
         for limit in (self.config.data.max_valid_steps, max_batches):
             if limit:
                 batches = min(batches, limit)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        # A traced device (XLA: static_shapes) compiles what runs between two step markers
+        # as one graph: marking a step after every batch keeps one graph per batch shape
+        # however long the split is. It sums in float32, which NeuronCores compute natively
+        # (float64 they do not); the host takes the sums on in float64.
+        traced = self.ctx.backend.static_shapes
+        sums = torch.zeros(2, dtype=self.sum_dtype, device=self.ctx.device)
         for step in range(batches):
             indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
             batch = dict(data.collate([(0, int(i)) for i in (indices if len(indices) else [0])]))
@@ -122,8 +129,10 @@ class Validator:
                               self.ctx.device)
             with self.loss_context(), self.autocast():
                 loss = self.compute_loss(batch)
-            sums[0] += self.local_loss(loss.detach()).double()
+            sums[0] += self.local_loss(loss.detach()).to(sums.dtype)
             sums[1] += batch["target_count"]
+            if traced:
+                self.ctx.backend.mark_step()
         if self.ctx.dp_group is not None:
             dist.all_reduce(sums, group=self.ctx.dp_group)
         loss_sum, tokens = sums.tolist()

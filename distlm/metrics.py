@@ -101,13 +101,14 @@ def _rounded(value: float | None) -> float | None:
 
 
 def mfu_inputs(
-    model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype
+    model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype, output_fraction: float = 1.0
 ) -> tuple[float | None, float | None]:
     """(FLOPs per token, peak FLOP/s per device) for MFU; None where the model's shape or
     the device's peak is unknown (a user's model, a device without a table entry). A
-    device without a peak is reported once, with how to give one."""
+    device without a peak is reported once, with how to give one. ``output_fraction``:
+    the share of positions the model computes its output at (a masked LM's mask rate)."""
     try:
-        per_token = flops_per_token(model, seq_len)
+        per_token = flops_per_token(model, seq_len, output_fraction)
     except (TypeError, UsageError):
         per_token = None
     try:

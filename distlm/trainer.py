@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.agreement import check_ranks_agree
-from distlm.builder import build_model_for_run, log_start, resolve_model_spec
+from distlm.builder import build_model_for_run, choose_vocabulary, log_start, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
@@ -62,7 +62,8 @@ class Trainer:
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, self.ctx.all_gather_object)
         # The spec validation checked; a context the caller made may have checked another config.
-        self.spec = None if model is not None else self.ctx.spec if dist is None else resolve_model_spec(config.model)
+        self.spec = None if model is not None else self.ctx.spec if dist is None else resolve_model_spec(
+            config.model, config.data.tokens_per_sample)
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
@@ -73,7 +74,8 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
-        vocab = len(dictionary) if dictionary is not None else 0
+        vocabulary = choose_vocabulary(self.spec, dictionary, config.model) if model is None else None
+        vocab = vocabulary.size if vocabulary else 0
         with naming_out_of_memory("building the model", lambda: self._state_need(
                 model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
             build = build_model_for_run(
@@ -87,7 +89,8 @@ class Trainer:
             self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                                   parallel_options(config, self.ctx), build.whole_model,
                                                   build.fill_shards)
-        log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed)
+        log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
+                  vocabulary)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,
@@ -134,7 +137,8 @@ class Trainer:
         printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main)
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
-            self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
+            self.precision.autocast_dtype or self.precision.param_dtype,
+            cfg.data.mask_prob if self.task == "masked_lm" else 1.0), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
         self.stop.install()  # before the data workers start: they ignore the stop signals
         batches = self.update_batches()

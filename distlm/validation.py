@@ -134,6 +134,6 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:
     """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous;
     returns the spec it checked."""
-    spec = resolve_model_spec(config.model)
+    spec = resolve_model_spec(config.model, config.data.tokens_per_sample)
     check_model_fits(spec.build(spec.config.vocab_size or _CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)
     return spec

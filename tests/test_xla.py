@@ -7,7 +7,8 @@ README); in the default suite torch_xla is absent and the module is skipped:
 
 What runs here: single-process training through distlm's Trainer against the same run
 in eager CPU torch; the world-size-1 ``xla`` process group with distlm's DDP (and
-ZeRO-1's optimizer) against plain training; and the refusal of several processes on
+ZeRO-1's optimizer) against plain training; validation of a long split, which must compile
+one graph per batch shape, against eager CPU's loss; and the refusal of several processes on
 XLA's CPU device, whose PJRT client cannot span processes (shown for real too). The eager
 references run in child processes that never import torch_xla: importing it replaces
 ``torch.nn.utils.clip_grad_norm_``.
@@ -37,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 import distlm  # noqa: E402
 from distlm.backends.xla import XlaBackend  # noqa: E402
 from distlm.config import parse_args  # noqa: E402
+from distlm.data.indexed_dataset import write_indexed_dataset  # noqa: E402
 from distlm.env import single_process_env  # noqa: E402
 from distlm.memory import memory_report  # noqa: E402
 from distlm.models import build_model  # noqa: E402
@@ -279,3 +281,63 @@ def test_xla_process_group_over_torchrun_on_xla_cpu_is_a_world_of_one(tmp_path):
     assert len(refused) == 2, proc.stdout + proc.stderr[-4000:]
     for rank, line in enumerate(refused):
         assert f"rank {rank} of world size 2 (launcher torchelastic) joined the xla process group as rank 0 of 1" in line
+
+
+# ------------------------------------------------------------------------------- validation
+
+VALIDATE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from distlm.config import parse_args
+    from distlm.models import build_model
+    from distlm.trainer import Trainer
+
+    args, initial, vocab_size, out = json.loads(sys.argv[1])
+    model = build_model("llama_tiny", vocab_size=vocab_size)
+    model.load_state_dict(torch.load(initial))
+    result = Trainer(parse_args(args), model=model).validator.validate(model)[0]
+    json.dump({"loss": result.loss, "target_tokens": result.target_tokens}, open(out, "w"))
+    assert "torch_xla" not in sys.modules
+    """
+)
+
+
+def test_validation_on_xla_compiles_per_batch_shape_not_per_split(data_dir, initial_weights, tmp_path):
+    """A split of about 60 batches: the graphs compiled while validating its first 3 batches serve
+    every later batch (a step marked per batch, one shape padded to), so validating the
+    whole split compiles nothing new; without the markers it traced one graph for the split.
+    Tolerance: XLA's CPU fp32 forward differs from eager's by reassociation (relative 6e-7,
+    see PARAM_ATOL), and its float32 sum of 60 batch sums adds at most 60 x 6e-8; 1e-5
+    relative leaves a margin above both and is far below a batch's share (1/60)."""
+    from torch_xla.debug import metrics
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dict.txt").write_text((Path(data_dir) / "dict.txt").read_text())
+    rng = np.random.default_rng(1)
+    sentences = [np.append(rng.integers(4, 44, size=31), 2) for _ in range(120)]
+    write_indexed_dataset(str(data / "train"), sentences[:20], np.uint16)
+    write_indexed_dataset(str(data / "valid"), sentences, np.uint16)
+    def args(device: str) -> list[str]:
+        return train_args(str(data), str(tmp_path), device) + ["--sample-break-mode", "none", "--batch-size-valid", "2"]
+
+    out = tmp_path / "eager.json"
+    environ = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    environ.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", VALIDATE, json.dumps([args("cpu"), initial_weights, VOCAB_SIZE, str(out)])],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=environ)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    eager = json.loads(out.read_text())
+
+    model = build_model("llama_tiny", vocab_size=VOCAB_SIZE)
+    model.load_state_dict(torch.load(initial_weights))
+    trainer = Trainer(parse_args(args("xla")), model=model)
+    validator = trainer.validator
+    assert validator.sum_dtype == torch.float32 and len(validator.subsets["valid"]) >= 100  # >= 50 batches
+    validator.validate(trainer.model, max_batches=3)
+    compiled = metrics.metric_data("CompileTime")[0]
+    result = validator.validate(trainer.model)[0]
+    assert metrics.metric_data("CompileTime")[0] == compiled  # every batch, no new graph
+    assert result.target_tokens == eager["target_tokens"]
+    assert result.loss == pytest.approx(eager["loss"], rel=1e-5)

@@ -76,6 +76,10 @@ ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
     ),
 }
 
+# fairseq's own archs: trained from scratch, their learned positions follow
+# --tokens-per-sample when --max-positions is not given, as fairseq's masked LM sizes them.
+POSITIONS_FROM_SAMPLES = ("roberta_base", "roberta_large")
+
 # Set by build_model's own arguments, so not accepted as overrides.
 _BUILD_ARGUMENTS = ("vocab_size", "padding_idx")
 

@@ -245,17 +245,32 @@ def matmul_parameters(model: object) -> int:
     return groups.total - lookups
 
 
-def flops_per_token(model_config_or_model: object, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``:
-    ``6 x matmul parameters + 12 x layers x heads x head size x seq_len``.
+def flops_per_token(model_config_or_model: object, seq_len: int, output_fraction: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) per input token at sequence length ``seq_len``:
+    ``6 x matmul parameters + 12 x layers x heads x head size x seq_len``, with no
+    activation recomputation.
 
-    Counts the output projection over every position (a masked LM computing logits only
-    at masked positions does less) and no activation recomputation.
+    ``output_fraction``: the share of positions at which the model computes its output, 1
+    for a causal LM (every position). A masked LM computes its LM head (RoBERTa's dense
+    layer, norm and output projection) only at the masked positions: pass the masked
+    fraction of the tokens (``--mask-prob`` in expectation).
     """
     if seq_len <= 0:
         raise UsageError(f"sequence length must be positive, got {seq_len}")
+    if not 0.0 <= output_fraction <= 1.0:
+        raise UsageError(f"the fraction of positions with an output must be in [0, 1], got {output_fraction}")
     s = model_shape(model_config_or_model)
-    return 6.0 * matmul_parameters(s) + 12.0 * s.n_layers * s.attention_dim * seq_len
+    matmuls = matmul_parameters(s)
+    output = output_head_parameters(s)
+    return 6.0 * (matmuls - output + output_fraction * output) + 12.0 * s.n_layers * s.attention_dim * seq_len
+
+
+def output_head_parameters(model: object) -> int:
+    """Parameters a token multiplies only where the model computes its output: the output
+    projection, and RoBERTa's LM head before it (dense layer, LayerNorm, output bias)."""
+    s = model_shape(model)
+    groups = parameter_groups(s)
+    return groups.output_projection + (groups.head if s.family == "roberta" else 0)
 
 
 def model_flops_utilization(

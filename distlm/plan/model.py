@@ -653,11 +653,7 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: f
     """FLOPs per token the step really runs, as ``micro_batch_segments`` times them:
     ``flops_per_token`` with RoBERTa's LM head (and its tied projection) at the masked
     fraction of positions only. Calibration divides these by the measured compute time."""
-    full = flops_per_token(shape, seq_len)
-    if shape.family != "roberta":
-        return full
-    local = local_parameters(shape, 1)
-    return full - 6 * (1 - masked_fraction) * (local.matmul_head + local.matmul_embedding)
+    return flops_per_token(shape, seq_len, masked_fraction if shape.family == "roberta" else 1.0)
 
 
 def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
