@@ -28,6 +28,7 @@ from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.memory import memory_report
 from distlm.metrics import Printer, TrainStats, mfu_inputs
+from distlm.observe import Observer, check_observe_settings
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
 from distlm.parallel.api import parallelize
@@ -53,6 +54,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, train_data: Any = None,
                  dist: DistContext | None = None):
         self.config = config
+        check_observe_settings(config)
         self.ctx = dist if dist is not None else init_distributed(config, model)
         self.spec = resolve_model_spec(config.model) if model is None else None
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
@@ -60,6 +62,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
+        self.observer = Observer(config, self.ctx, resume.meta if resume is not None else None)
         self.data = train_data if train_data is not None else training_data(
             config, self.task, resume.dictionary if resume else None)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
@@ -113,7 +116,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config
-        printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main)
+        printer = self.observer.start(Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main),
+                                      self.resumed_at)
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
@@ -124,8 +128,9 @@ class Trainer:
         try:
             while not (stop or self._done()):
                 # Everything one update does, collectives of logging and saving included.
-                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1):
-                    stop = self._update(next(batches), stats, printer)
+                number = self.progress.num_updates + 1
+                with self.ctx.naming_failed_collectives(number), self.observer.update(number):
+                    stop = self._update(self.observer.next_batch(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
                     compiling = None
@@ -143,11 +148,12 @@ class Trainer:
             self.ctx.close()
         return final
 
-    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
+    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Observer) -> bool:
         """Train, log, validate and save what one update calls for; True to stop early."""
         started = time.perf_counter()
         epoch_before = self.sampler.epoch_of(self.progress.consumed_samples)
-        record = self.train_step(micro_batches)
+        with self.observer.computing():
+            record = self.train_step(micro_batches)
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
@@ -155,7 +161,8 @@ class Trainer:
         printer.progress()
         if (applied and self.progress.num_updates % self.config.logging.log_interval == 0) or self._done():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
-                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2)}
+                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2),
+                            **self.observer.interval_fields()}
             printer.log(self.summary)
             stats.reset()
         ended = epoch_before + 1 if self.sampler.epoch_of(self.progress.consumed_samples) > epoch_before else None
@@ -170,7 +177,7 @@ class Trainer:
         self.ctx.close()
         return line
 
-    def _validate_and_save(self, end_of_epoch: int | None, printer: Printer) -> bool:
+    def _validate_and_save(self, end_of_epoch: int | None, printer: Observer) -> bool:
         """Validate and save what is due after an update; True when patience has run out."""
         done, stop, improved = self._done(), False, False
         if self.validator.due(self.progress.num_updates, end_of_epoch, done):
@@ -193,7 +200,7 @@ class Trainer:
         # update that applies nothing, as the first update of any run does.
         self.handle.wait_pending()
         self.checkpointer.save(names, self.progress, self.model, self.optimizer, self.precision.scaler,
-                               describe_run(self.config, self.data, self.model, self.spec),
+                               describe_run(self.config, self.data, self.model, self.spec, self.observer.run_ids()),
                                tokenizer_writer(self.data, self.task))
 
     def _done(self) -> bool:
@@ -209,7 +216,8 @@ class Trainer:
         tensors = [to_device(b, device) for b in micro_batches]
         global_targets = torch.tensor([local_targets], dtype=torch.float64, device=device)
         if self.ctx.dp_group is not None:
-            dist.all_reduce(global_targets, group=self.ctx.dp_group)
+            with self.observer.waiting_for_peers():  # ranks with their batch ready wait here for the late ones
+                dist.all_reduce(global_targets, group=self.ctx.dp_group)
         loss_scale = self.precision.loss_scale
         # DDP averages gradients over replicas; multiplying by their number makes the
         # result the gradient of (summed loss / global target tokens): normalised once.
