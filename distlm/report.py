@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from distlm.config import OneLineErrorParser
 from distlm.errors import UsageError, report_usage_error
 
 # (file, title, y label, [(series, key)], y log scale)
@@ -210,8 +211,6 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from distlm.config import OneLineErrorParser
-
     parser = OneLineErrorParser(prog="python -m distlm.report",
                                 description="Plot distlm and fairseq JSON training logs (PNG + HTML).")
     parser.add_argument("logs", nargs="+", metavar="LOG", help="distlm JSON log (--log-file) or fairseq JSON log")
