@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distributed import run_distributed
 from distlm.config import parse_args
@@ -25,7 +26,7 @@ from distlm.observe.trackers import Trackers, record_tags
 from distlm.trainer import Trainer
 from distlm.train import main
 
-FAIRSEQ_LOG = Path(__file__).parent / "data" / "fairseq_train_log.json"
+FAIRSEQ_LOG = Path(__file__).parent / "data" / "fairseq_masked_lm_train.log"  # provenance: tests/data/README.md
 SLOW_RANK, DATA_DELAY = 1, 0.2
 
 
@@ -296,3 +297,35 @@ def test_failing_tracker_is_one_warning_and_the_others_go_on(caplog):
     assert working.seen == [(1, {"train/loss": 2.0}), (2, {"train/loss": 2.0})]
     assert record_tags({"subset": "test", "update": 3, "loss": 1.5, "best_loss": 1.5}, "valid") == {
         "valid/test/loss": 1.5, "valid/test/best_loss": 1.5}
+
+
+def test_report_reads_fairseq_train_inner_and_valid_records():
+    from distlm.report import read_log
+
+    run = read_log(FAIRSEQ_LOG)
+    assert run.source == "fairseq"
+    # train_inner every 5 updates; the end-of-epoch "train" record (train_* keys) is not a point.
+    assert [p["update"] for p in run.train] == list(range(5, 61, 5))
+    assert [(p["update"], p["subset"]) for p in run.valid] == [(20, "valid"), (40, "valid"), (60, "valid")]
+    assert run.valid[-1]["loss"] == 10.44
+    # Tokens seen: fairseq's words per batch times the updates of each interval.
+    assert run.train[1]["tokens"] == run.train[0]["wpb"] * 5 + run.train[1]["wpb"] * 5
+
+
+def test_run_json_records_software_config_launch_and_hardware(observed_run):
+    record = json.loads((observed_run["root"] / "ck" / "run.json").read_text())
+    assert record["config"]["optim"]["max_update"] == 6  # the resumed run's, which wrote it last
+    assert record["launch"]["world_size"] == 1 and record["launch"]["resumed_at"] == 2
+    assert record["launch"]["layout"] == {"dp": 1, "tp": 1}
+    assert record["software"]["torch"] == torch.__version__
+    assert record["hardware"]["cpu_cores"] == os.cpu_count() and record["hardware"]["device"] == "cpu"
+    assert record["distlm"]["version"] is not None
+
+
+def test_memory_snapshot_off_cuda_is_one_line(tmp_path, caplog):
+    from distlm.observe.profiler import ProfileWindow
+
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        ProfileWindow((1, 2), tmp_path, 0, "cpu", memory_snapshot=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--memory-snapshot: the allocator history exists on CUDA only; none on cpu"]
