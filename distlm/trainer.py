@@ -27,7 +27,7 @@ from distlm.distributed import DistContext, init_distributed
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.memory import memory_report
-from distlm.metrics import Printer, TrainStats, mfu_inputs
+from distlm.metrics import TrainStats, mfu_inputs
 from distlm.observe import Observer, check_observe_settings
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
@@ -116,8 +116,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config
-        printer = self.observer.start(Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main),
-                                      self.resumed_at)
+        printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)

@@ -49,9 +49,11 @@ class Observer:
         self.trackers = Trackers()
         self.log_file: Path | None = None
 
-    def start(self, printer: Printer, resumed_at: int | None) -> Observer:
-        """Open the outlets of rank 0 (trackers, --log-file); the observer then logs as the printer."""
-        self.printer = printer
+    def start(self, resumed_at: int | None) -> Observer:
+        """Open the outlets (stdout; on rank 0 also run.json, trackers, --log-file); the observer then
+        logs as the ``Printer`` does."""
+        settings = self.config.logging
+        self.printer = Printer(settings.log_format, self.config.optim.max_update or None, self.ctx.is_main)
         if self.ctx.is_main and not self.config.checkpoint.no_save:
             write_run_json(Path(self.config.checkpoint.save_dir), run_json(self.config.to_dict(), {
                 "launcher": self.ctx.env.launcher, "world_size": self.ctx.world_size,
@@ -82,7 +84,7 @@ class Observer:
             # Opened per line: the summary comes after close(), and a crash loses no line.
             with self.log_file.open("a") as file:
                 file.write(line + "\n")
-            if kind == "summary":
+            if kind == "summary" and self.printer.format != "simple":  # distlm.report reads JSON lines
                 logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(self.log_file)),
                             shlex.quote(str(self.log_file.parent / "report")))
 

@@ -49,27 +49,25 @@ class StepTiming:
         self.updates = 0
 
     def next_batch(self, batches: Iterator):
-        started = time.perf_counter()
-        batch = next(batches)
-        self.data_wait += time.perf_counter() - started
-        return batch
+        with self._adding_time_to("data_wait"):
+            return next(batches)
+
+    def computing(self) -> contextlib.AbstractContextManager[None]:
+        """Around one update."""
+        self.updates += 1
+        return self._adding_time_to("compute")
+
+    def waiting_for_peers(self) -> contextlib.AbstractContextManager[None]:
+        """Around the update's first collective, where ranks with their batch wait for the others."""
+        return self._adding_time_to("peer_wait")
 
     @contextlib.contextmanager
-    def computing(self) -> Iterator[None]:
+    def _adding_time_to(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.compute += time.perf_counter() - started
-            self.updates += 1
-
-    @contextlib.contextmanager
-    def waiting_for_peers(self) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.peer_wait += time.perf_counter() - started
+            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
 
     def interval_fields(self) -> dict[str, float | int]:
         """Collective over the world when distributed: the train line's straggler fields
