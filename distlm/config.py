@@ -255,7 +255,7 @@ class LoggingConfig:
     wandb_project: str | None = None
     """Log to this Weights & Biases project (WANDB_MODE=offline works offline; extra: trackers)."""
     wandb_run_name: str | None = None
-    """The W&B run's display name (default: W&B's)."""
+    """The run's name in W&B and MLflow (default: theirs)."""
     mlflow_tracking_uri: str | None = None
     """Log to this MLflow tracking server or store, e.g. file:/path/mlruns (extra: trackers)."""
     profile_steps: str | None = None

@@ -329,3 +329,12 @@ def test_memory_snapshot_off_cuda_is_one_line(tmp_path, caplog):
         ProfileWindow((1, 2), tmp_path, 0, "cpu", memory_snapshot=True)
     assert [r.getMessage() for r in caplog.records] == [
         "--memory-snapshot: the allocator history exists on CUDA only; none on cpu"]
+
+
+@pytest.mark.parametrize("window", ["3:2", "0:1", "two:three"])
+def test_bad_profile_window_is_one_line_before_training(window, tmp_path, capsys):
+    code = main(["--arch", "roberta_tiny", "--profile-steps", window, "--save-dir", str(tmp_path / "ck")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"distlm: error: --profile-steps takes A:B, the first and last update to record (1 <= A <= B), got {window!r}"]
+    assert not (tmp_path / "ck").exists()
