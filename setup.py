@@ -16,6 +16,8 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "bench": ["matplotlib"],
         "hf": ["transformers>=4.40", "tokenizers"],
+        # --tensorboard-logdir, --wandb-project, --mlflow-tracking-uri; distlm.report uses [bench]'s matplotlib.
+        "trackers": ["tensorboard", "wandb", "mlflow-skinny"],
         # Tests only: tests/test_examples.py loads examples/parallelcluster/*.yaml through
         # aws-parallelcluster's own schema. It brings the AWS CDK (about 100 packages, 160 MB).
         "cluster": ["aws-parallelcluster>=3.16"],

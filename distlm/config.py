@@ -284,6 +284,22 @@ class LoggingConfig:
     """json|simple|tqdm; default: tqdm on a terminal, json otherwise."""
     log_interval: int = 10
     """Log training statistics every N updates."""
+    log_file: str | None = None
+    """Also append the log lines (JSON unless --log-format simple) to this file (rank 0)."""
+    tensorboard_logdir: str | None = None
+    """Write TensorBoard events here (rank 0); a resumed run continues them (extra: trackers)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (WANDB_MODE=offline works offline; extra: trackers)."""
+    wandb_run_name: str | None = None
+    """The run's name in W&B and MLflow (default: theirs)."""
+    mlflow_tracking_uri: str | None = None
+    """Log to this MLflow tracking server or store, e.g. file:/path/mlruns (extra: trackers)."""
+    profile_steps: str | None = None
+    """A:B: record updates A to B with torch.profiler on every rank (one Chrome trace per rank)."""
+    profile_dir: str | None = None
+    """Where the profiler traces go (default: SAVE_DIR/profiles)."""
+    memory_snapshot: bool = False
+    """CUDA: record the allocator's history and dump it at the end of --profile-steps and on out-of-memory."""
 
 
 @dataclass

@@ -29,7 +29,8 @@ from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.memory import memory_report
-from distlm.metrics import Printer, TrainStats, mfu_inputs
+from distlm.metrics import TrainStats, mfu_inputs
+from distlm.observe import Observer, check_observe_settings
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
 from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
@@ -58,6 +59,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, train_data: Any = None,
                  dist: DistContext | None = None, states: dict[str, Stateful] | None = None):
         self.config = config
+        check_observe_settings(config)
         self.ctx = dist if dist is not None else init_distributed(config, model)
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, self.ctx.all_gather_object)
@@ -69,6 +71,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
+        self.observer = Observer(config, self.ctx, resume.meta if resume is not None else None)
         self.data = train_data if train_data is not None else load_split(
             config, "train", self.task, resume.dictionary if resume else None)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
@@ -134,7 +137,7 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.config
-        printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main)
+        printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
@@ -147,9 +150,10 @@ class Trainer:
         try:
             while not (stop or self._done()):
                 # Everything one update does, collectives of logging and saving included.
-                with self.ctx.naming_failed_collectives(self.progress.num_updates + 1), naming_out_of_memory(
-                        f"in update {self.progress.num_updates + 1}", self._step_need, STEP_REMEDY):
-                    stop = self._update(next(batches), stats, printer)
+                number = self.progress.num_updates + 1
+                with self.ctx.naming_failed_collectives(number), naming_out_of_memory(
+                        f"in update {number}", self._step_need, STEP_REMEDY), self.observer.update(number):
+                    stop = self._update(self.observer.next_batch(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
                     compiling = None
@@ -174,11 +178,12 @@ class Trainer:
             self.stop.restore()
         return final
 
-    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
+    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Observer) -> bool:
         """Train, log, validate and save what one update calls for; True to stop early."""
         started = time.perf_counter()
         epoch_before = self.sampler.epoch_of(self.progress.consumed_samples)
-        record = self.train_step(micro_batches)
+        with self.observer.computing():
+            record = self.train_step(micro_batches)
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
@@ -186,7 +191,8 @@ class Trainer:
         printer.progress()
         if (applied and self.progress.num_updates % self.config.logging.log_interval == 0) or self._done():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
-                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2)}
+                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2),
+                            **self.observer.interval_fields()}
             printer.log(self.summary)
             stats.reset()
         ended = epoch_before + 1 if self.sampler.epoch_of(self.progress.consumed_samples) > epoch_before else None
@@ -207,7 +213,7 @@ class Trainer:
         self.ctx.close()
         return line
 
-    def _validate_and_save(self, end_of_epoch: int | None, printer: Printer) -> bool:
+    def _validate_and_save(self, end_of_epoch: int | None, printer: Observer) -> bool:
         """Validate and save what is due after an update; True when patience has run out."""
         done, stop, improved = self._done(), False, False
         if self.validator.due(self.progress.num_updates, end_of_epoch, done):
@@ -229,7 +235,8 @@ class Trainer:
         # In-flight gradients are not saved: a resumed run refills the pipeline with one
         # update that applies nothing, as the first update of any run does.
         self.handle.wait_pending()
-        self.checkpointer.save(names, self.states, describe_run(self.config, self.data, self.model, self.spec),
+        self.checkpointer.save(names, self.states,
+                               describe_run(self.config, self.data, self.model, self.spec, self.observer.run_ids()),
                                tokenizer_writer(self.data, self.task))
 
     def _done(self) -> bool:
@@ -247,7 +254,8 @@ class Trainer:
         # rank learns at this update that some rank was signalled, for no extra collective.
         global_targets = torch.tensor([local_targets, *self.stop.local_flags()], dtype=torch.float64, device=device)
         if self.ctx.dp_group is not None:
-            dist.all_reduce(global_targets, group=self.ctx.dp_group)
+            with self.observer.waiting_for_peers():  # ranks with their batch ready wait here for the late ones
+                dist.all_reduce(global_targets, group=self.ctx.dp_group)
         loss_scale = self.precision.loss_scale
         # DDP averages gradients over replicas; multiplying by their number makes the
         # result the gradient of (summed loss / global target tokens): normalised once.

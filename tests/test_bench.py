@@ -120,6 +120,13 @@ def test_plots_and_table_are_written(sweep):
         assert re.search(rf"^\| {world_size} \| {strategy} \| {BATCH} x 1 \|", table, flags=re.MULTILINE), table
 
 
+def test_run_json_is_written_beside_the_results(sweep, data_dir):  # noqa: F811 - fixture
+    record = json.loads((sweep / "run.json").read_text())
+    assert record["launch"] == {"launcher": "single", "world_size": 1, "ranks": [1, 2]}
+    assert record["config"]["data"] == data_dir and record["config"]["out"] == str(sweep)
+    assert {"torch", "python"} <= set(record["software"]) and record["hardware"]["cpu_cores"] == os.cpu_count()
+
+
 def test_calibration_file_is_what_the_planner_fits(sweep):
     """The planner calibrated from calibration.jsonl (one-rank rows and the 2-rank all-reduce,
     nothing else) gives back the measured one-rank compute and optimizer times."""

@@ -50,6 +50,7 @@ from distlm.distributed import shutdown
 from distlm.env import ClusterEnv
 from distlm.precision import DTYPES
 from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
+from distlm.run_record import run_json, write_run_json
 from distlm.validation import validate
 
 
@@ -533,6 +534,8 @@ def main(argv: Sequence[str]) -> int:
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             rows = write_outputs(args, launches, combinations(planned), out_dir, merge=in_place)
+            write_run_json(out_dir, run_json(vars(args), {"launcher": env.launcher, "world_size": env.world_size,
+                                                          "ranks": sorted({launch.world_size for launch in planned})}))
             _say(results.markdown_table(rows))
             _say(f"wrote {out_dir / results.RESULTS} ({len(rows)} points), {results.TABLE}"
                  + ("" if args.no_plots else ", " + ", ".join(plots.PLOTS)))

@@ -1,0 +1,120 @@
+"""``Observer``: everything that watches a run, behind the few calls the trainer makes.
+
+Rank 0 sends every log record to stdout (the ``Printer``), ``--log-file`` and the
+trackers; every rank times its updates for the straggler fields and runs the profiler
+window. The trainer calls ``next_batch``, ``update`` (around an update), ``computing``
+and ``waiting_for_peers`` (inside it), ``interval_fields`` (when a train line is due)
+and logs through the observer as it would through the printer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shlex
+from pathlib import Path
+from typing import Any, Iterator
+
+from distlm.config import TrainConfig
+from distlm.distributed import DistContext
+from distlm.metrics import Printer, strict_json
+from distlm.observe.profiler import ProfileWindow, parse_profile_steps
+from distlm.observe.stragglers import StepTiming
+from distlm.observe.trackers import Trackers, check_tracker_packages
+from distlm.run_record import run_json, write_run_json
+
+logger = logging.getLogger("distlm")
+
+PROFILE_DIR = "profiles"
+
+
+def check_observe_settings(config: TrainConfig) -> None:
+    """Before anything starts: tracker packages installed, --profile-steps well formed."""
+    check_tracker_packages(config.logging)
+    if config.logging.profile_steps is not None:
+        parse_profile_steps(config.logging.profile_steps)
+
+
+class Observer:
+    def __init__(self, config: TrainConfig, ctx: DistContext, resume_meta: dict[str, Any] | None):
+        self.config, self.ctx = config, ctx
+        settings = config.logging
+        self.saved_ids: dict[str, str] = dict((resume_meta or {}).get("trackers") or {})
+        self.timing = StepTiming(ctx.rank, ctx.world_size, ctx.world_group, config.data.num_workers)
+        window = parse_profile_steps(settings.profile_steps) if settings.profile_steps else None
+        directory = Path(settings.profile_dir) if settings.profile_dir else Path(config.checkpoint.save_dir) / PROFILE_DIR
+        self.profile = ProfileWindow(window, directory, ctx.rank, ctx.device.type, settings.memory_snapshot)
+        self.printer: Printer | None = None
+        self.trackers = Trackers()
+        self.log_file: Path | None = None
+
+    def start(self, resumed_at: int | None) -> Observer:
+        """Open the outlets (stdout; on rank 0 also run.json, trackers, --log-file); the observer then
+        logs as the ``Printer`` does."""
+        settings = self.config.logging
+        self.printer = Printer(settings.log_format, self.config.optim.max_update or None, self.ctx.is_main)
+        if self.ctx.is_main and not self.config.checkpoint.no_save:
+            write_run_json(Path(self.config.checkpoint.save_dir), run_json(self.config.to_dict(), {
+                "launcher": self.ctx.env.launcher, "world_size": self.ctx.world_size,
+                "nodes": self.ctx.env.num_nodes, "ranks_per_node": self.ctx.env.local_world_size,
+                "layout": self.ctx.layout, "strategy": self.config.distributed.strategy,
+                "resumed_at": resumed_at}, self.ctx.device))
+        if self.ctx.is_main:
+            self.trackers = Trackers.open(self.config, self.saved_ids, resumed_at)
+            self.saved_ids.update(self.trackers.run_ids())
+            if self.config.logging.log_file is not None:
+                self.log_file = Path(self.config.logging.log_file)
+                self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # ------------------------------------------------------------ the printer's calls
+
+    def progress(self, n: int = 1) -> None:
+        self.printer.progress(n)
+
+    def log(self, record: dict, kind: str = "train") -> None:
+        self.printer.log(record, kind)
+        if not self.ctx.is_main:
+            return
+        self.trackers.log(record, kind)
+        if self.log_file is not None:
+            line = (Printer._simple(kind, record) if self.printer.format == "simple"
+                    else json.dumps(strict_json({"kind": kind, **record}), allow_nan=False))
+            # Opened per line: the summary comes after close(), and a crash loses no line.
+            with self.log_file.open("a") as file:
+                file.write(line + "\n")
+            if kind == "summary" and self.printer.format != "simple":  # distlm.report reads JSON lines
+                logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(self.log_file)),
+                            shlex.quote(str(self.log_file.parent / "report")))
+
+    def close(self) -> None:
+        """End the profiler window, the progress bar and the trackers; lines may still follow."""
+        self.profile.stop()
+        if self.printer is not None:
+            self.printer.close()
+        self.trackers.close()
+        self.trackers = Trackers()
+
+    # ------------------------------------------------------------ the update's calls
+
+    def next_batch(self, batches: Iterator):
+        return self.timing.next_batch(batches)
+
+    @contextlib.contextmanager
+    def update(self, number: int) -> Iterator[None]:
+        with self.profile.update(number):
+            yield
+
+    def computing(self):
+        return self.timing.computing()
+
+    def waiting_for_peers(self):
+        return self.timing.waiting_for_peers()
+
+    def interval_fields(self) -> dict[str, Any]:
+        return self.timing.interval_fields()
+
+    def run_ids(self) -> dict[str, str]:
+        """The trackers' run ids, for the checkpoint: a resumed run continues these runs."""
+        return dict(self.saved_ids)

@@ -1,0 +1,340 @@
+"""Seeing inside a run: trackers, --log-file, the profiler window, stragglers and distlm.report.
+
+One 2-rank job (4 updates, rank 1 slowed in its data loading, updates 2-3 profiled) and its
+resume in one process from the checkpoint of update 2 up to update 6 (as after a run killed
+after that checkpoint) serve every check of a real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from distlm.config import parse_args
+from distlm.observe.trackers import Trackers, record_tags
+from distlm.trainer import Trainer
+from distlm.train import main
+
+FAIRSEQ_LOG = Path(__file__).parent / "data" / "fairseq_masked_lm_train.log"  # provenance: tests/data/README.md
+SLOW_RANK, DATA_DELAY = 1, 0.2
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(f"{record.levelname} {record.getMessage()}")
+
+
+class _SlowData(Trainer):
+    """Rank SLOW_RANK sleeps before each batch: a straggler in its data loading."""
+
+    def update_batches(self):
+        batches = super().update_batches()
+        return _slowed(batches) if self.ctx.rank == SLOW_RANK and self.slow else batches
+
+
+def _slowed(batches):
+    """Sleeps twice as long as the last update took (at least DATA_DELAY), so the rank is the
+    slowest by far however loaded the machine is."""
+    handed = None
+    for batch in batches:
+        if handed is not None:
+            time.sleep(min(max(DATA_DELAY, 2 * (time.perf_counter() - handed)), 3.0))
+        else:
+            time.sleep(DATA_DELAY)
+        handed = time.perf_counter()
+        yield batch
+
+
+def observed_fit(args: list[str], slow: bool) -> dict:
+    """Train; return this rank's stdout and distlm log messages."""
+    collect = _Collect()
+    logger = logging.getLogger("distlm")
+    level = logger.level
+    logger.addHandler(collect)
+    logger.setLevel(logging.INFO)
+    stdout = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout):
+            trainer = _SlowData(parse_args(args))
+            trainer.slow = slow
+            trainer.fit()
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(level)
+    return {"stdout": stdout.getvalue(), "messages": collect.messages, "resumed_at": trainer.resumed_at}
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def observed_run(data_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("observed")
+    common = [
+        "--data", data_dir, "--arch", "roberta_tiny", "--tokens-per-sample", "32", "--batch-size", "4",
+        "--log-interval", "1", "--save-dir", str(root / "ck"), "--save-interval-updates", "2", "--device", "cpu",
+        "--max-valid-steps", "1", "--log-format", "json",
+        "--tensorboard-logdir", str(root / "tb"), "--wandb-project", "distlm-test", "--wandb-run-name", "observed",
+        "--mlflow-tracking-uri", f"file:{root / 'mlruns'}", "--log-file", str(root / "train.log"),
+        "--profile-steps", "2:3",
+    ]
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    first = run_distributed(observed_fit, 2, common + ["--max-update", "4"], True, env=env, timeout=240)
+    # Resumed from update 2 as a run killed after that checkpoint would be: updates 3 and 4 come again.
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        second = [observed_fit(common + ["--max-update", "6", "--restore-file", "checkpoint_2"], False)]
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    return {"root": root, "first": first, "second": second}
+
+
+def last_train_lines(lines: list[dict]) -> dict[int, dict]:
+    """The train line of each update, the resumed run's where an update was done twice."""
+    return {line["update"]: line for line in lines if line["kind"] == "train"}
+
+
+def test_log_file_holds_the_stdout_lines_of_both_runs(observed_run):
+    root = observed_run["root"]
+    assert observed_run["second"][0]["resumed_at"] == 2
+    stdout = observed_run["first"][0]["stdout"] + observed_run["second"][0]["stdout"]
+    expected = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert (root / "train.log").read_text().splitlines() == expected
+    assert observed_run["first"][1]["stdout"] == ""  # rank 1 prints nothing
+    report = [m for m in observed_run["second"][0]["messages"] if "distlm.report" in m]
+    assert report == [f"INFO pictures of this run: python -m distlm.report {root / 'train.log'} --out {root / 'report'}"]
+
+
+def test_tensorboard_events_equal_the_json_lines_with_no_repeated_update(observed_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = observed_run["root"]
+    lines = json_lines((root / "train.log").read_text())
+    accumulator = EventAccumulator(str(root / "tb"))
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    expected = last_train_lines(lines)
+    for key in ("loss", "ppl", "wps", "lr", "gnorm", "mfu", "slowest_rank", "step_time_max_over_median"):
+        events = accumulator.Scalars(f"train/{key}")
+        # The first run's 3 and 4 were purged, then logged once by the resumed run, which ran
+        # on one rank: no straggler fields from it.
+        steps = [1, 2] if key in ("slowest_rank", "step_time_max_over_median") else [1, 2, 3, 4, 5, 6]
+        assert [e.step for e in events] == steps, key
+        # TensorBoard keeps float32.
+        assert [e.value for e in events] == [pytest.approx(expected[s][key], rel=1e-6) for s in steps], key
+    valid = [line for line in lines if line["kind"] == "valid"]
+    assert [line["update"] for line in valid] == [4, 6]  # the end of each run
+    events = accumulator.Scalars("valid/valid/loss")
+    assert [e.step for e in events] == [6]  # the first run's update 4 was purged with its train lines
+    assert events[0].value == pytest.approx(valid[-1]["loss"], rel=1e-6)
+    assert "train/update" not in tags and "train/kind" not in tags
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a W&B transaction log (LevelDB log blocks after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, part = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if left < 7 or (kind == 0 and length == 0):
+            position += left
+            continue
+        part += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            yield record
+            part = b""
+
+
+def test_wandb_offline_run_holds_config_and_metrics_and_is_resumed(observed_run):
+    root = observed_run["root"]
+    files = sorted((root / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    runs = []
+    for file in files:
+        records = list(wandb_records(file))
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+        config = {item.key: json.loads(item.value_json) for item in run.config.update}
+        history = {}
+        for record in records:
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                history[items["_step"]] = items
+        runs.append((run.run_id, run.display_name, config, history))
+    (first_id, name, config, first), (second_id, _, _, second) = runs
+    assert first_id == second_id and name == "observed"
+    assert config["model"]["arch"] == "roberta_tiny" and config["logging"]["wandb_project"] == "distlm-test"
+    lines = json_lines((root / "train.log").read_text())
+    first_run = {line["update"]: line for line in lines[: len(json_lines(observed_run["first"][0]["stdout"]))]
+                 if line["kind"] == "train"}
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4, 5, 6]
+    assert [first[s]["train/loss"] for s in (1, 2, 3, 4)] == [first_run[s]["loss"] for s in (1, 2, 3, 4)]
+    checkpoint_meta = json.loads((root / "ck" / "checkpoint_last" / "distlm.json").read_text())
+    assert checkpoint_meta["trackers"]["wandb"] == first_id
+
+
+def test_mlflow_file_store_holds_config_and_metrics_and_is_resumed(observed_run):
+    from mlflow.tracking import MlflowClient
+
+    root = observed_run["root"]
+    client = MlflowClient(tracking_uri=f"file:{root / 'mlruns'}")
+    runs = client.search_runs([client.get_experiment_by_name("distlm").experiment_id])
+    assert len(runs) == 1  # the resumed run continued it
+    run = runs[0]
+    assert run.data.params["model.arch"] == "roberta_tiny" and run.data.params["data.batch_size"] == "4"
+    checkpoint_meta = json.loads((root / "ck" / "checkpoint_last" / "distlm.json").read_text())
+    assert checkpoint_meta["trackers"]["mlflow"] == run.info.run_id
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3, 4, 5, 6]  # none repeated
+    lines = last_train_lines(json_lines((root / "train.log").read_text()))
+    assert {m.step: m.value for m in history}[6] == lines[6]["loss"]
+
+
+def test_profile_window_writes_one_trace_per_rank_with_the_matmuls(observed_run):
+    traces = sorted((observed_run["root"] / "ck" / "profiles").glob("*.json"))
+    assert [t.name for t in traces] == ["rank0.json", "rank1.json"]
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        names = {event.get("name") for event in events}
+        assert names & {"aten::mm", "aten::addmm"}
+        # Only updates 2 and 3 were recorded (the resumed run started after the window).
+        assert {n for n in names if isinstance(n, str) and n.startswith("update ")} == {"update 2", "update 3"}
+    messages = observed_run["first"][0]["messages"]
+    assert any("top operators by self time" in m and "aten::" in m for m in messages)
+
+
+def test_slowed_rank_is_named(observed_run):
+    first = json_lines(observed_run["first"][0]["stdout"])
+    train = [line for line in first if line["kind"] == "train"]
+    assert [line["slowest_rank"] for line in train] == [SLOW_RANK] * 4
+    # The first update of any run is slow on every rank (allocations), so the slowed rank stands out from the second.
+    assert all(line["step_time_max_over_median"] > 1.2 for line in train[1:])
+    messages = observed_run["first"][0]["messages"]
+    stragglers = [m for m in messages if "straggler" in m]
+    assert len(stragglers) == 1 and stragglers[0].startswith(f"WARNING rank {SLOW_RANK} is a straggler")
+    waits = [m for m in messages if "waits for data" in m]
+    assert len(waits) == 1 and f"rank {SLOW_RANK}" in waits[0] and "--num-workers" in waits[0]
+
+
+def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path):
+    from matplotlib.image import imread
+
+    out = tmp_path / "report"
+    assert main_report([str(observed_run["root"] / "train.log"), str(FAIRSEQ_LOG), "--out", str(out)]) == 0
+    pictures = sorted(out.glob("*.png"))
+    names = {p.name for p in pictures}
+    assert {"loss_vs_updates.png", "loss_vs_tokens.png", "tokens_per_s.png", "mfu.png", "lr.png", "gnorm.png"} <= names
+    for picture in pictures:
+        assert imread(picture).ndim == 3  # decodes to an RGB(A) image
+    page = (out / "index.html").read_text()
+    assert all(f'src="{p.name}"' in page for p in pictures)
+    assert "fairseq" in page and "distlm" in page
+
+
+def main_report(argv):
+    from distlm.report import main as report_main
+
+    return report_main(argv)
+
+
+@pytest.mark.parametrize("flag, module", [("--tensorboard-logdir", "tensorboard"), ("--wandb-project", "wandb"),
+                                          ("--mlflow-tracking-uri", "mlflow")])
+def test_missing_tracker_package_is_one_line_before_training(flag, module, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails, as with the package missing
+    code = main(["--arch", "roberta_tiny", flag, str(tmp_path / "x"), "--save-dir", str(tmp_path / "ck")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"distlm: error: {flag} needs the {module} package: pip install 'distlm[trackers]'"]
+    assert not (tmp_path / "ck").exists()  # nothing started
+
+
+class _Recorder:
+    name, run_id = "recorder", None
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.seen = fail, []
+
+    def log(self, tags, step):
+        if self.fail:
+            raise OSError("No space left on device")
+        self.seen.append((step, tags))
+
+    def close(self):
+        pass
+
+
+def test_failing_tracker_is_one_warning_and_the_others_go_on(caplog):
+    broken, working = _Recorder(fail=True), _Recorder()
+    trackers = Trackers([broken, working])
+    with caplog.at_level(logging.WARNING, logger="distlm"):
+        for update in (1, 2):
+            trackers.log({"update": update, "loss": 2.0, "mfu": None, "subset": "x"}, "train")
+    assert [r.getMessage() for r in caplog.records] == [
+        "recorder failed (OSError: No space left on device); training goes on without it"]
+    assert working.seen == [(1, {"train/loss": 2.0}), (2, {"train/loss": 2.0})]
+    assert record_tags({"subset": "test", "update": 3, "loss": 1.5, "best_loss": 1.5}, "valid") == {
+        "valid/test/loss": 1.5, "valid/test/best_loss": 1.5}
+
+
+def test_report_reads_fairseq_train_inner_and_valid_records():
+    from distlm.report import read_log
+
+    run = read_log(FAIRSEQ_LOG)
+    assert run.source == "fairseq"
+    # train_inner every 5 updates; the end-of-epoch "train" record (train_* keys) is not a point.
+    assert [p["update"] for p in run.train] == list(range(5, 61, 5))
+    assert [(p["update"], p["subset"]) for p in run.valid] == [(20, "valid"), (40, "valid"), (60, "valid")]
+    assert run.valid[-1]["loss"] == 10.44
+    # Tokens seen: fairseq's words per batch times the updates of each interval.
+    assert run.train[1]["tokens"] == run.train[0]["wpb"] * 5 + run.train[1]["wpb"] * 5
+
+
+def test_run_json_records_software_config_launch_and_hardware(observed_run):
+    record = json.loads((observed_run["root"] / "ck" / "run.json").read_text())
+    assert record["config"]["optim"]["max_update"] == 6  # the resumed run's, which wrote it last
+    assert record["launch"]["world_size"] == 1 and record["launch"]["resumed_at"] == 2
+    assert record["launch"]["layout"] == {"dp": 1, "tp": 1}
+    assert record["software"]["torch"] == torch.__version__
+    assert record["hardware"]["cpu_cores"] == os.cpu_count() and record["hardware"]["device"] == "cpu"
+    assert record["distlm"]["version"] is not None
+
+
+def test_memory_snapshot_off_cuda_is_one_line(tmp_path, caplog):
+    from distlm.observe.profiler import ProfileWindow
+
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        ProfileWindow((1, 2), tmp_path, 0, "cpu", memory_snapshot=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--memory-snapshot: the allocator history exists on CUDA only; none on cpu"]
+
+
+@pytest.mark.parametrize("window", ["3:2", "0:1", "two:three"])
+def test_bad_profile_window_is_one_line_before_training(window, tmp_path, capsys):
+    code = main(["--arch", "roberta_tiny", "--profile-steps", window, "--save-dir", str(tmp_path / "ck")])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"distlm: error: --profile-steps takes A:B, the first and last update to record (1 <= A <= B), got {window!r}"]
+    assert not (tmp_path / "ck").exists()
