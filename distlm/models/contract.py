@@ -13,6 +13,8 @@ and nothing else, so parallelism can be applied from outside:
 ``tp_plan``        Optional: module-name pattern -> tensor-parallel style (see parallel/tp.py);
                    empty means the model cannot be tensor-parallel.
 ``tp_divisible``   Optional: config fields the tensor-parallel degree must divide.
+``tp_kv_heads``    Optional: the config field counting the key/value heads of ``colwise_kv``
+                   projections; the degree must divide it or be a multiple of it.
 
 A masked LM's ``forward(input_ids, masked_tokens=None)`` may compute logits at the
 masked positions only; every model maps ``input_ids [B, T]`` to logits ``[B, T, V]``.

@@ -112,7 +112,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
     if args.tp_degree > shape.n_kv_heads:
         header.append(
             f"note: --tp-degree {args.tp_degree} > n_kv_heads {shape.n_kv_heads}: each rank keeps one key/value head, "
-            "replicated (neuronx-distributed's layout); distlm's own tensor parallel needs tp to divide n_kv_heads"
+            f"replicated over {args.tp_degree // shape.n_kv_heads} ranks (distlm's, Megatron's and "
+            "neuronx-distributed's layout)"
         )
     return rows, header
 
