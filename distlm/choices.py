@@ -38,6 +38,8 @@ COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 
 COMM_TRANSPORTS = ("torch", "mpi")
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+
 LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")
