@@ -340,17 +340,22 @@ def test_comm_hooks_and_tp_degrees_are_swept_where_distlm_runs_them(tmp_path):
     ])
 
 
+def hand_built_launch(world_size: int, step: float, tp_degree: int = 1, pp_degree: int = 1) -> dict:
+    """A launch's raw result of one ddp update of 4 samples per replica taking ``step`` seconds."""
+    spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": tp_degree,
+            "pp_degree": pp_degree, "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
+    times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // (tp_degree * pp_degree),
+             "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
+             "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
+    return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
+            "host_cores": 2, "device": "cpu", "torch": "2"}
+
+
 def test_a_tensor_parallel_point_is_against_the_one_rank_point():
     """Rows of a sweep with tp 1 and 2: the tp-2 series' efficiency is its tokens/s per rank
     over the 1-rank point's, the point every tp-1 series starts from."""
     def launch(world_size: int, tp_degree: int, step: float) -> dict:
-        spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": tp_degree,
-                "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
-        times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // tp_degree,
-                 "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
-                 "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
-        return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
-                "host_cores": 2, "device": "cpu", "torch": "2"}
+        return hand_built_launch(world_size, step, tp_degree=tp_degree)
 
     combos = [["ddp", "allreduce", 1], ["ddp", "allreduce", 2]]
     rows = results.point_rows([launch(1, 1, 0.5), launch(2, 1, 0.6), launch(2, 2, 0.8), launch(4, 2, 0.9)],
@@ -399,13 +404,7 @@ def test_pp_degrees_are_swept_and_handed_to_distlm_train(tmp_path, monkeypatch):
 def test_a_pipeline_point_is_against_the_one_rank_point():
     """A pp-2 series is its own series ("ddp pp2"), its efficiency against the plain 1-rank point."""
     def launch(world_size: int, pp_degree: int, step: float) -> dict:
-        spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": 1, "pp_degree": pp_degree,
-                "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
-        times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // pp_degree,
-                 "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
-                 "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
-        return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
-                "host_cores": 2, "device": "cpu", "torch": "2"}
+        return hand_built_launch(world_size, step, pp_degree=pp_degree)
 
     combos = [["ddp", "allreduce", 1], ["ddp", "allreduce", 1, 2]]
     rows = results.point_rows([launch(1, 1, 0.5), launch(2, 1, 0.6), launch(2, 2, 0.4), launch(4, 2, 0.5)],
