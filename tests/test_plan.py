@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +55,6 @@ from distlm.plan.model import (
     tree_allreduce_time,
 )
 from distlm.train import main as train_main
-from test_examples import EXAMPLES
 
 SEQ_LEN, BATCH = 32, 2
 
@@ -508,6 +508,7 @@ def test_every_bundled_profile_loads():
 # ------------------------------------------------------------------ pipeline parallel
 
 LLAMA3_8B = model_shape("llama3_8b")  # 32 blocks: 8 per stage at pp 4
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def pipelined(schedule: str = "1f1b", microbatches: int = 8, stages_per_rank: int | None = None, **settings):
