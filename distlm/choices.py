@@ -47,6 +47,8 @@ PROBE_METHODS = {"all_reduce": "plain", "all_gather": "all_gather", "reduce_scat
 ``plain``, as ``benchmarks/allreduce.py`` reports DDP's averaging all-reduce beside its hooks."""
 COLLECTIVE_OF_PROBE_METHOD = {method: kind for kind, method in PROBE_METHODS.items()}
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+
 LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")

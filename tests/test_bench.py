@@ -23,6 +23,7 @@ from distributed import run_distributed
 from distlm.bench import results, scaling
 from distlm.bench.__main__ import main as bench_main
 from distlm.data.dictionary import Dictionary
+from distlm.errors import UsageError
 from distlm.models import build_model
 from distlm.plan.calibrate import calibrate, fit_line, read_measurements
 from distlm.plan.flops import count_parameters, flops_per_token, model_shape, parameter_groups
@@ -346,17 +347,22 @@ def test_comm_hooks_and_tp_degrees_are_swept_where_distlm_runs_them(tmp_path):
     ])
 
 
+def hand_built_launch(world_size: int, step: float, tp_degree: int = 1, pp_degree: int = 1) -> dict:
+    """A launch's raw result of one ddp update of 4 samples per replica taking ``step`` seconds."""
+    spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": tp_degree,
+            "pp_degree": pp_degree, "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
+    times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // (tp_degree * pp_degree),
+             "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
+             "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
+    return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
+            "host_cores": 2, "device": "cpu", "torch": "2"}
+
+
 def test_a_tensor_parallel_point_is_against_the_one_rank_point():
     """Rows of a sweep with tp 1 and 2: the tp-2 series' efficiency is its tokens/s per rank
     over the 1-rank point's, the point every tp-1 series starts from."""
     def launch(world_size: int, tp_degree: int, step: float) -> dict:
-        spec = {"batch_size": 4, "update_freq": 1, "tokens_per_sample": TOKENS, "tp_degree": tp_degree,
-                "precision": "fp32", "comm_hook": "allreduce", "steps": 1, "warmup_steps": 1}
-        times = {"strategy": "ddp", "world_size": world_size, "dp_degree": world_size // tp_degree,
-                 "vocab_size": 261, "step_s": [step], "optimizer_s": [0.01], "compute_step_s": [],
-                 "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
-        return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
-                "host_cores": 2, "device": "cpu", "torch": "2"}
+        return hand_built_launch(world_size, step, tp_degree=tp_degree)
 
     combos = [["ddp", "allreduce", 1], ["ddp", "allreduce", 2]]
     rows = results.point_rows([launch(1, 1, 0.5), launch(2, 1, 0.6), launch(2, 2, 0.8), launch(4, 2, 0.9)],
@@ -368,6 +374,55 @@ def test_a_tensor_parallel_point_is_against_the_one_rank_point():
         assert row["efficiency_baseline_world_size"] == 1
         assert row["efficiency"] == pytest.approx(row["tokens_per_s"] / world_size / one)
     assert by_point[(2, 2)]["tokens_per_s"] == pytest.approx(4 * TOKENS / 0.8)  # one replica of 4 samples
+
+
+def test_pp_degrees_are_swept_and_handed_to_distlm_train(tmp_path, monkeypatch):
+    """--pp-degree takes a list like --tp-degree: each degree with every tp degree whose
+    product with it divides the world size, handed to distlm.train above 1, the replicas'
+    batch split over world / (tp x pp). A dry run: distlm.train's parsing and checks are
+    stood in for (on this branch distlm.train has no --pp-degree yet), so what is checked
+    is what the suite asks of it."""
+    asked = []
+    monkeypatch.setattr(scaling.LaunchSpec, "trainer_config", lambda spec, strategy: spec.trainer_flags(strategy))
+    monkeypatch.setattr(scaling, "validate", lambda flags, layout, backend: asked.append(flags))
+    args = scaling.parse_args(["--ranks", "1,2,4", "--strategy", "ddp,fsdp", "--tp-degree", "1,2", "--pp-degree",
+                               "1,2", "--mode", "strong", "--global-batch-size", "8", "--no-plots", "--out", str(tmp_path)])
+    planned = scaling.plan_launches(args, [1, 2, 4])
+    measured = {(launch.world_size, launch.tp_degree, launch.pp_degree, launch.strategies)
+                for launch in scaling.measured_launches(planned)}
+    assert measured == {
+        (1, 1, 1, ("ddp",)),
+        (2, 1, 1, ("ddp", "fsdp")), (2, 2, 1, ("ddp",)), (2, 1, 2, ("ddp",)),
+        (4, 1, 1, ("ddp", "fsdp")), (4, 2, 1, ("ddp", "fsdp")), (4, 1, 2, ("ddp", "fsdp")), (4, 2, 2, ("ddp",)),
+    }
+    assert ["ddp", "allreduce", 1, 2] in scaling.combinations(planned)
+    for launch in planned:
+        flags = scaling.launch_spec(args, launch, list(launch.strategies), [1, 2, 4]).trainer_flags("ddp")
+        assert ("--pp-degree" in flags) == (launch.pp_degree > 1)
+        if launch.pp_degree > 1:
+            assert flags[flags.index("--pp-degree") + 1] == str(launch.pp_degree)
+        replicas = launch.world_size // (launch.tp_degree * launch.pp_degree)
+        assert int(flags[flags.index("--batch-size") + 1]) * replicas == 8  # strong scaling: one global batch
+    assert any("--pp-degree" in flags for flags in asked)
+    with pytest.raises(UsageError, match="--ranks 3 is not a multiple of --tp-degree 2 x --pp-degree 2"):
+        scaling.check_ranks([3], [2], [2])
+
+
+def test_a_pipeline_point_is_against_the_one_rank_point():
+    """A pp-2 series is its own series ("ddp pp2"), its efficiency against the plain 1-rank point."""
+    def launch(world_size: int, pp_degree: int, step: float) -> dict:
+        return hand_built_launch(world_size, step, pp_degree=pp_degree)
+
+    combos = [["ddp", "allreduce", 1], ["ddp", "allreduce", 1, 2]]
+    rows = results.point_rows([launch(1, 1, 0.5), launch(2, 1, 0.6), launch(2, 2, 0.4), launch(4, 2, 0.5)],
+                              {"arch": "roberta_tiny", "mode": "weak", "strategies": ["ddp"], "combinations": combos})
+    by_point = {(row["world_size"], row["pp_degree"]): row for row in rows}
+    assert set(by_point) == {(1, 1), (2, 1), (2, 2), (4, 2)}
+    assert {results.series_label(row) for row in rows} == {"ddp", "ddp pp2"}
+    one = by_point[(1, 1)]["tokens_per_s"]
+    for (world_size, _), row in by_point.items():
+        assert row["efficiency_baseline_world_size"] == 1
+        assert row["efficiency"] == pytest.approx(row["tokens_per_s"] / world_size / one)
 
 
 @pytest.mark.parametrize("argv, expected", [

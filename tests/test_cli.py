@@ -167,7 +167,7 @@ def test_the_roberta_large_config_holds_the_recipes_settings():
 
 @pytest.mark.parametrize(
     "arch, tp, expected",
-    [("llama_tiny", 4, "--tp-degree 4 does not divide n_heads 6"), ("llama_tiny", 3, "--tp-degree 3 does not divide n_kv_heads 2")],
+    [("llama_tiny", 4, "--tp-degree 4 does not divide n_heads 6"), ("llama_tiny", 3, "--tp-degree 3 neither divides nor is a multiple of n_kv_heads 2")],
 )
 def test_tp_degree_the_model_cannot_split_fails_before_the_rendezvous(arch, tp, expected, data_dir, tmp_path,
                                                                        monkeypatch, capsys):

@@ -356,3 +356,76 @@ def test_mpi_kit_runs_on_two_local_ranks_as_two_nodes(data_dir, tmp_path):
     code, output = run_job(["bash", str(MPI_KIT)], job_environment(**settings))
     assert code == 0, output[-6000:]
     assert trained_updates(save_dir) == (2, 2)
+
+
+# --------------------------------------------------------------------- the 70B recipe
+
+RECIPE_70B = EXAMPLES / "slurm" / "llama3_1_70b.sbatch"
+CONFIG_70B = EXAMPLES / "slurm" / "llama3_1_70b_config.json"
+INSTANCE_PROFILES = {"trn2": "trn2.48xlarge", "p4d": "p4d.24xlarge", "p5": "p5.48xlarge"}
+# distlm.train flags the plan must share with the training command (value, or presence).
+SIZING_FLAGS = ("--strategy", "--tp-degree", "--pp-degree", "--pp-microbatches", "--batch-size")
+SIZING_SWITCHES = ("--activation-checkpointing", "--sequence-parallel")
+
+
+def stated_plans() -> dict[str, list[str]]:
+    """The distlm.plan command the recipe's header states for each instance, as argv."""
+    import shlex
+
+    plans = {}
+    for line in RECIPE_70B.read_text().splitlines():
+        if line.startswith("#   python -m distlm.plan "):
+            argv = shlex.split(line.removeprefix("#   python -m distlm.plan "))
+            cluster = argv[argv.index("--cluster") + 1]
+            plans[next(key for key, name in INSTANCE_PROFILES.items() if name == cluster)] = argv
+    return plans
+
+
+def sizing(argv: list[str]) -> dict[str, object]:
+    return {**{flag: argv[argv.index(flag) + 1] if flag in argv else None for flag in SIZING_FLAGS},
+            **{switch: switch in argv for switch in SIZING_SWITCHES}}
+
+
+@pytest.mark.parametrize("instance", INSTANCE_PROFILES)
+def test_70b_recipe_trains_the_layout_its_stated_plan_sized(instance, capsys):
+    """The job's training command (DRY_RUN=1 prints it) has the degrees, strategy, batch
+    and checkpointing of the distlm.plan command its header states for the instance, and
+    that plan still runs and fits."""
+    import json
+    import shlex
+
+    from distlm.plan import __main__ as plan_cli
+
+    env = job_environment(INSTANCE=instance, DRY_RUN="1", VENV="", SLURM_JOB_NODELIST="node[01-08]",
+                          SLURM_JOB_NUM_NODES="8", SLURM_JOB_ID="70")
+    proc = subprocess.run(["bash", str(RECIPE_70B)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (train,) = [shlex.split(line) for line in proc.stdout.splitlines()
+                if "-m distlm.train" in line and "--precompile" not in line]
+    assert ("--precompile" in proc.stdout) == (instance == "trn2")
+    plan = stated_plans()[instance]
+    assert sizing(train) == sizing(plan), (sizing(train), sizing(plan))
+    assert train[train.index("--device") + 1] == ("neuron" if instance == "trn2" else "cuda")
+    assert plan_cli.main(plan + ["--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["fits"] and row["pp_degree"] == 4 and row["tp_degree"] == 8
+
+
+def test_70b_recipe_builds_the_shape_of_its_hugging_face_config():
+    """The recipe's model flags (llama3_1_8b's settings with the 70B sizes) make exactly the
+    model of Meta's config.json that the plans read."""
+    import shlex
+
+    import torch
+
+    from distlm.builder import resolve_model_spec
+    from distlm.config import parse_args
+    from distlm.plan.flops import count_parameters, model_shape, shape_from_hf_config
+
+    (line,) = [line for line in RECIPE_70B.read_text().splitlines() if "model_args=(--arch llama3_1_8b" in line]
+    flags = shlex.split(line.strip().removeprefix("model_args=(").removesuffix(")"))
+    spec = resolve_model_spec(parse_args(flags + ["--device", "cpu"]).model)
+    with torch.device("meta"):
+        model = spec.build(spec.config.vocab_size, 1)
+    assert model_shape(model) == shape_from_hf_config(CONFIG_70B)
+    assert count_parameters(model_shape(model)) == sum(p.numel() for p in model.parameters())

@@ -283,7 +283,8 @@ def test_tied_llama_tp_plan_keeps_the_embedding_whole():
     assert plan is not type(model).tp_plan
     assert not {"tok_embeddings", "output", "norm"} & plan.keys()
     assert "colwise_output" not in plan.values()
-    kinds = {"colwise": torch.nn.Linear, "rowwise": torch.nn.Linear, "sequence_norm": torch.nn.RMSNorm,
+    kinds = {"colwise": torch.nn.Linear, "colwise_kv": torch.nn.Linear, "rowwise": torch.nn.Linear,
+             "sequence_norm": torch.nn.RMSNorm,
              "sequence_region": torch.nn.ModuleList, "sequence_gather": torch.nn.Module}
     modules = dict(model.named_modules())
     for pattern, style in plan.items():

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +38,9 @@ from distlm.plan.model import (
     Group,
     Layout,
     Link,
+    Stage,
     Workload,
+    activation_bytes_per_rank,
     micro_batch_segments,
     all_gather_time,
     collective_slowdown,
@@ -501,3 +504,113 @@ def test_every_bundled_profile_loads():
     for name in ("p3dn.24xlarge", "p4d.24xlarge", "p5.48xlarge", "trn1.32xlarge", "trn2.48xlarge", "local"):
         cluster = load_cluster(name)
         assert cluster.ranks_per_node >= 1 and cluster.inter.bandwidth_Bps > 0
+
+
+# ------------------------------------------------------------------ pipeline parallel
+
+LLAMA3_8B = model_shape("llama3_8b")  # 32 blocks: 8 per stage at pp 4
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def pipelined(schedule: str = "1f1b", microbatches: int = 8, stages_per_rank: int | None = None, **settings):
+    """Llama-3-8B at pp 4 x tp 2 on one p4d node (dp 1): the update is its pipeline passes
+    and the optimizer step, nothing data-parallel."""
+    workload = Workload(shape=LLAMA3_8B, precision="bf16", tokens_per_sample=2048, batch_size=8,
+                        pp_schedule=schedule, pp_microbatches=microbatches, pp_stages_per_rank=stages_per_rank,
+                        **settings)
+    return project(workload, load_cluster("p4d.24xlarge"), Layout(nodes=1, ranks_per_node=8, tp=2, pp=4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule):
+    for microbatches in (4, 8):
+        row = pipelined(schedule, microbatches)
+        assert (row.dp_degree, row.pp_degree, row.pp_microbatches) == (1, 4, microbatches)
+        passes = row.step_time_s - row.optimizer_s  # dp 1: nothing else follows the passes
+        assert row.pp_bubble_s / passes == pytest.approx(3 / (microbatches + 3))
+        assert row.pp_p2p_s > 0
+
+
+def test_interleaving_divides_the_bubble_and_holds_more_in_flight():
+    plain, looped = pipelined("1f1b"), pipelined("interleaved-1f1b", stages_per_rank=2)
+    # The same stages (8 blocks per rank, as 2 chunks of 4), so the same slot.
+    assert looped.pp_bubble_s == pytest.approx(plain.pp_bubble_s / 2)
+    assert looped.step_time_s == pytest.approx(plain.step_time_s - plain.pp_bubble_s / 2)
+    # The first rank holds P = 4 micro-batches under 1F1B, P + (P-1)/V = 5.5 interleaved.
+    assert looped.activation_bytes_per_rank == pytest.approx(plain.activation_bytes_per_rank * 5.5 / 4)
+    zero_bubble = pipelined("zero-bubble", stages_per_rank=2)
+    assert zero_bubble.pp_bubble_s == pytest.approx(plain.pp_bubble_s / 6)  # (P-1)/(3V) slots
+
+
+def test_memory_per_rank_counts_only_the_rank_stage():
+    row = pipelined("1f1b")
+    groups = parameter_groups(LLAMA3_8B)
+    tp = 2
+    block = (groups.per_block - 2 * LLAMA3_8B.dim) / tp + 2 * LLAMA3_8B.dim  # norms stay whole
+    first = 8 * block + groups.embedding / tp
+    last = 8 * block + groups.output_projection / tp + LLAMA3_8B.dim
+    # The first stage holds 4 micro-batches of activations (1F1B), the last one (and the
+    # logits): the first needs most here.
+    assert row.param_bytes == pytest.approx(4 * first)
+    assert row.memory_bytes_per_rank == pytest.approx(16 * first)  # ddp: weights, gradients, Adam
+    stage = Workload(shape=dataclasses.replace(LLAMA3_8B, n_layers=8), precision="bf16", tokens_per_sample=2048,
+                     batch_size=1, stage=Stage(index=0, blocks=8, first=True, last=False))
+    layout = Layout(nodes=1, ranks_per_node=8, tp=2, pp=4)
+    assert row.activation_bytes_per_rank == pytest.approx(4 * activation_bytes_per_rank(stage, layout))
+    whole = project(Workload(shape=LLAMA3_8B, precision="bf16", tokens_per_sample=2048, batch_size=8),
+                    load_cluster("p4d.24xlarge"), Layout(nodes=1, ranks_per_node=2, tp=2))
+    assert whole.memory_bytes_per_rank > 3 * row.memory_bytes_per_rank
+
+
+def test_cli_pipeline_json_rows_carry_the_bubble(capsys):
+    base = ["--arch", "llama3_8b", "--cluster", "p4d.24xlarge", "--nodes", "1,2", "--tp-degree", "2",
+            "--precision", "bf16", "--tokens-per-sample", "2048", "--batch-size", "8", "--json"]
+    assert plan_cli.main(base) == 0
+    assert all(row["pp_degree"] == 1 and row["pp_bubble_s"] == 0 for row in json.loads(capsys.readouterr().out))
+    assert plan_cli.main(base + ["--pp-degree", "4", "--pp-schedule", "interleaved-1f1b",
+                                 "--pp-microbatches", "8", "--pp-stages-per-rank", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["dp_degree"] for row in rows] == [1, 2]
+    for row in rows:
+        assert (row["pp_degree"], row["pp_schedule"], row["pp_microbatches"], row["pp_stages_per_rank"]) == (
+            4, "interleaved-1f1b", 8, 2)
+        assert 0 < row["pp_bubble_s"] < row["step_time_s"] and row["pp_p2p_s"] > 0
+
+
+def test_a_70b_hugging_face_config_plans_without_building_anything(capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner built a module")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", refuse)
+    config = str(EXAMPLES / "slurm" / "llama3_1_70b_config.json")
+    argv = ["--arch", config, "--cluster", "trn1.32xlarge", "--nodes", "32", "--strategy", "zero1",
+            "--tp-degree", "32", "--pp-degree", "8", "--pp-microbatches", "256", "--batch-size", "256",
+            "--precision", "bf16", "--tokens-per-sample", "8192", "--sequence-parallel", "--json"]
+    assert plan_cli.main(argv) == 0
+    printed = capsys.readouterr()
+    (row,) = json.loads(printed.out)
+    assert (row["dp_degree"], row["tp_degree"], row["pp_degree"]) == (4, 32, 8)
+    assert row["fits"]  # 70.6 B parameters over 8 stages x 32 ranks, ZeRO-1 over 4 replicas
+    assert "70.554 B parameters" in printed.err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp-degree", "64", "--ranks", "64"], "--pp-degree 64 x 1 stages per rank exceeds the model's 32 blocks"),
+        (["--pp-degree", "3", "--ranks", "8"], "--pp-degree 3 x --tp-degree 1 does not divide the world size 8"),
+        (["--pp-degree", "2", "--ranks", "8", "--pp-schedule", "interleaved-1f1b"],
+         "--pp-schedule interleaved-1f1b runs several stages per rank; set --pp-stages-per-rank 2 or more"),
+        (["--pp-degree", "2", "--ranks", "8", "--pp-stages-per-rank", "2"],
+         "--pp-stages-per-rank 2 needs a looped schedule"),
+        (["--pp-degree", "2", "--ranks", "8", "--pp-microbatches", "3", "--batch-size", "8"],
+         "--batch-size 8 does not split into --pp-microbatches 3"),
+        (["--pp-degree", "4", "--ranks", "8", "--pp-microbatches", "2", "--batch-size", "8"],
+         "--pp-microbatches 2 is below --pp-degree 4"),
+    ],
+)
+def test_cli_refuses_bad_pipeline_layouts_in_one_line(flags, message, capsys):
+    argv = ["--arch", "llama3_8b", "--cluster", "p4d.24xlarge", "--ranks-per-node", "8"]
+    assert plan_cli.main(argv + flags) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distlm.plan: error: " + message), lines

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 from distributed import run_distributed
 from distlm.errors import UsageError
@@ -70,9 +71,9 @@ def make_batch(arch: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, targets
 
 
-def build(arch: str, dropout: float = 0.0) -> torch.nn.Module:
+def build(arch: str, dropout: float = 0.0, **overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_model(arch, vocab_size=VOCAB, dropout=dropout, attention_dropout=dropout)
+    return build_model(arch, vocab_size=VOCAB, dropout=dropout, attention_dropout=dropout, **overrides)
 
 
 def loss_sum(model, arch: str, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -104,12 +105,12 @@ def train(model, arch, micro_batches, scale, clip, loss_context=contextlib.nullc
     return gnorms, first_grads
 
 
-def reference(arch: str) -> dict:
+def reference(arch: str, steps: int = STEPS, **overrides) -> dict:
     """One process, whole batch, torch's own clip_grad_norm_."""
-    model = build(arch)
+    model = build(arch, **overrides)
     ids, targets = make_batch(arch)
     ntok = int(targets.ne(-100).sum())
-    gnorms, grads = train(model, arch, [(ids, targets)], 1.0 / ntok, torch.nn.utils.clip_grad_norm_)
+    gnorms, grads = train(model, arch, [(ids, targets)], 1.0 / ntok, torch.nn.utils.clip_grad_norm_, steps=steps)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "gnorms": gnorms, "grads": grads}
 
 
@@ -235,6 +236,109 @@ def test_tp2_equals_single_process(references):
     assert ranks[0]["dropout", False] != ranks[1]["dropout", False]
 
 
+# ------------------------------------------- tp wider than the key/value heads
+
+# Llama with 8 query heads over 2 key/value heads: at tp 4 each rank holds 2 query heads
+# and one key/value head, which 2 ranks share (Llama 3's 32 over 8 at tp 16 or 32 alike).
+GQA = {"n_heads": 8, "n_kv_heads": 2}
+GQA_STEPS = 3
+KV_WEIGHT = "layers.0.attention.wk.weight"
+
+
+def _gqa_job(reference_path: str, save_dir: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from distlm.checkpoint.state import model_state, optimizer_state
+    from distlm.mesh import ParallelDims
+    from distlm.parallel.api import materialise
+    from distlm.parallel.replicas import first_replica_drift
+    from distlm.parallel.tp import apply_tp, clip_grad_norm_, loss_context
+
+    ref = torch.load(reference_path, weights_only=True)
+    dist.init_process_group("gloo")
+    dims = ParallelDims(world_size=4, tp=4)
+    mesh = dims.build_mesh("cpu")["tp"]
+    ids, targets = make_batch("llama_tiny")
+    ntok = int(targets.ne(-100).sum())
+    out: dict = {}
+    for sp in (False, True):
+        if sp:  # the trainer's path for a large model: sharded on meta, filled from rank 0's build
+            with torch.device("meta"):
+                model = build("llama_tiny", **GQA)
+            apply_tp(model, mesh, sequence_parallel=sp, loss_parallel=True)
+            materialise(model, torch.device("cpu"), lambda: build("llama_tiny", **GQA))
+        else:
+            model = apply_tp(build("llama_tiny", **GQA), mesh, sequence_parallel=sp, loss_parallel=True)
+        gnorms, grads = train(model, "llama_tiny", [(ids, targets)], 1.0 / ntok, clip_grad_norm_,
+                              lambda: loss_context(model), steps=GQA_STEPS)
+        params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        kv = model.get_submodule(KV_WEIGHT.rpartition(".")[0]).weight
+        out[sp] = {
+            **compare(ref, params, grads, gnorms),
+            "kv_layout": (tuple(kv.placements), tuple(kv.to_local().shape), kv.device_mesh.mesh_dim_names),
+            "kv_digest": digest(kv.to_local()),
+            "drift": first_replica_drift(model, dims, "cpu"),
+        }
+    # A checkpoint as the trainer writes it (each rank its shards), with Adam's moments.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    with loss_context(model):
+        (loss_sum(model, "llama_tiny", ids, targets) / ntok).backward()
+    optimizer.step()
+    dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=save_dir)
+    out["saved"] = {
+        "model": get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)),
+        "exp_avg": optimizer.state[kv]["exp_avg"].full_tensor(),
+    }
+    # One replica of a head drifts: --check-replicas names it.
+    with torch.no_grad():
+        if dist.get_rank() == 1:
+            kv.to_local()[0, 0] += 1.0
+    out["drifted"] = first_replica_drift(model, dims, "cpu")
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process
+def test_tp_wider_than_the_kv_heads_trains_and_saves_each_head_once(tmp_path):
+    """tp 4 over 2 key/value heads on 4 processes equals one process; the checkpoint it
+    saves holds every head once and loads into one process."""
+    import torch.distributed.checkpoint as dcp
+
+    reference_path = tmp_path / "reference.pt"
+    torch.save(reference("llama_tiny", steps=GQA_STEPS, **GQA), reference_path)
+    save_dir = tmp_path / "checkpoint"
+    ranks = run_distributed(_gqa_job, 4, str(reference_path), str(save_dir), timeout=240)
+    for sp in (False, True):
+        # The tolerances of tp 2 hold: replicating a head adds only the all-reduce of its
+        # replicas' gradients, another fp32 summation order. Forgetting that sum (or
+        # summing a head with a neighbour's) leaves an O(1) error in every wk/wv gradient.
+        check(ranks[0][sp], f"llama_tiny tp4 over 2 kv heads sequence_parallel={sp}")
+        placements, local_shape, mesh_dims = ranks[0][sp]["kv_layout"]
+        assert placements == (Shard(0), Replicate()) and mesh_dims == ("tp_kv", "tp_kv_replica")
+        assert local_shape == (192 // 8, 192)  # one head of head_dim 24 per rank
+        # Ranks 0, 1 share head 0 and ranks 2, 3 head 1: copies bitwise equal, heads differ.
+        digests = [rank[sp]["kv_digest"] for rank in ranks]
+        assert digests[0] == digests[1] and digests[2] == digests[3] and digests[0] != digests[2]
+        assert all(rank[sp]["drift"] is None for rank in ranks)
+    assert ranks[0]["drifted"] == f"parameter {KV_WEIGHT} differs between key/value head replica ranks 0 and 1"
+
+    # Each head once: the two replicas of a head were written as one chunk, in the
+    # single-device shape, and one process (no process group) reads them back.
+    metadata = dcp.FileSystemReader(str(save_dir)).read_metadata().state_dict_metadata
+    chunks = metadata[f"model.{KV_WEIGHT}"].chunks
+    assert tuple(metadata[f"model.{KV_WEIGHT}"].size) == (2 * 24, 192)
+    assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [((0, 0), (24, 192)), ((24, 0), (24, 192))]
+    single = build("llama_tiny", **GQA)
+    state = {"model": single.state_dict()}
+    dcp.load(state, checkpoint_id=str(save_dir), no_dist=True)
+    saved = ranks[0]["saved"]
+    assert all(torch.equal(state["model"][name], saved["model"][name]) for name in saved["model"])
+    exp_avg = torch.empty(2 * 24, 192)
+    dcp.load({f"optimizer.{KV_WEIGHT}.exp_avg": exp_avg}, checkpoint_id=str(save_dir), no_dist=True)
+    assert torch.equal(exp_avg, saved["exp_avg"])
+
+
 # ------------------------------------------------------------------ no processes
 
 
@@ -247,8 +351,13 @@ def test_validate_tp_names_flag_and_dimension():
     validate_tp(roberta_tiny, 4, arch="roberta_tiny")
     with pytest.raises(UsageError, match=r"^--tp-degree 4 does not divide n_heads 6 of --arch llama_tiny$"):
         validate_tp(llama, 4, arch="llama_tiny")
-    with pytest.raises(UsageError, match=r"^--tp-degree 3 does not divide n_kv_heads 2 of --arch llama_tiny$"):
+    with pytest.raises(UsageError, match=r"^--tp-degree 3 neither divides nor is a multiple of n_kv_heads 2 "
+                                         r"of --arch llama_tiny; choose a divisor or a multiple of 2$"):
         validate_tp(llama, 3, arch="llama_tiny")
+    with torch.device("meta"):
+        gqa = build_model("llama_tiny", vocab_size=VOCAB, **GQA)
+    validate_tp(gqa, 4)  # past the 2 key/value heads: each is replicated on 2 ranks
+    validate_tp(gqa, 8)
     with pytest.raises(UsageError, match="does not divide ffn_dim 771 of RobertaMaskedLM"):
         validate_tp(roberta, 2)
     validate_tp(short, 4, sequence_parallel=True, tokens_per_sample=508)
@@ -266,7 +375,8 @@ def test_tp_plan_entries_name_real_modules_of_their_kind(arch):
     plan = type(model).tp_plan
     assert set(plan.values()) <= set(STYLES)
     kinds = {
-        "colwise": torch.nn.Linear, "rowwise": torch.nn.Linear, "colwise_output": torch.nn.Linear,
+        "colwise": torch.nn.Linear, "colwise_kv": torch.nn.Linear, "rowwise": torch.nn.Linear,
+        "colwise_output": torch.nn.Linear,
         "vocab_embedding": torch.nn.Embedding, "sequence_norm": (torch.nn.LayerNorm, torch.nn.RMSNorm),
         "sequence_region": torch.nn.ModuleList, "sequence_gather": torch.nn.Module,
     }
@@ -275,3 +385,43 @@ def test_tp_plan_entries_name_real_modules_of_their_kind(arch):
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
         matched = [module for name, module in modules.items() if regex.match(name)]
         assert matched and all(isinstance(m, kinds[style]) for m in matched), pattern
+
+
+@pytest.mark.parametrize("world, tp", [(64, 32), (16, 16)])
+def test_llama3_heads_at_tp_16_and_32_with_the_fake_process_group(world, tp):
+    """Llama 3 8B's 32 query heads over 8 key/value heads: each rank's query heads read the
+    key/value head it holds, shared by tp / 8 consecutive ranks (shapes only, on meta)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from distlm.mesh import ParallelDims
+    from distlm.parallel.tp import apply_tp
+
+    store = FakeStore()
+    for rank in (0, 13, world - 1):
+        # DTensor caches sharding results by mesh value, which ignores the rank: one
+        # process playing several ranks must drop them, or it gets rank 0's meshes back.
+        _clear_sharding_prop_cache()
+        dist.init_process_group("fake", store=store, rank=rank, world_size=world)
+        try:
+            mesh = ParallelDims(world_size=world, tp=tp).build_mesh("cpu")
+            with torch.device("meta"):
+                model = build_model("llama3_8b", n_layers=1)
+            apply_tp(model, mesh["tp"], sequence_parallel=False, loss_parallel=True)
+            attention = model.layers[0].attention
+            layout = {}
+            for name in ("wq", "wk", "wv"):
+                weight = getattr(attention, name).weight
+                # (local shape, first head): rows are sharded along the first mesh dimension.
+                rows = weight.to_local().shape[0]
+                layout[name] = (tuple(weight.to_local().shape), weight.device_mesh.get_coordinate()[0] * rows // 128)
+            tp_rank, replicas = rank % tp, tp // 8
+            assert layout["wq"] == ((32 // tp * 128, 4096), tp_rank * 32 // tp)
+            # Query head h reads key/value head h // 4: the rank's first query head's.
+            assert layout["wk"] == layout["wv"] == ((128, 4096), tp_rank // replicas) == ((128, 4096), layout["wq"][1] // 4)
+            group = attention.wk.weight.device_mesh.get_group("tp_kv_replica")
+            first = rank - rank % replicas
+            assert dist.get_process_group_ranks(group) == list(range(first, first + replicas))
+        finally:
+            dist.destroy_process_group()

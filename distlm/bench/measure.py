@@ -69,6 +69,8 @@ class LaunchSpec:
     """One-rank launches that run at once on this host (``HostSharing``); 1: this one alone."""
     rendezvous_dir: str | None = None
     """Where the concurrent launches meet (``HostSharing``)."""
+    pp_degree: int = 1
+    """distlm.train's --pp-degree (given only above 1)."""
 
     def trainer_flags(self, strategy: str) -> list[str]:
         """distlm.train's flags for ``strategy``: fixed-length samples, nothing saved or validated."""
@@ -83,6 +85,7 @@ class LaunchSpec:
             "--seed", str(self.seed),
         ]
         flags += ["--data", self.data] if self.data is not None else []
+        flags += ["--pp-degree", str(self.pp_degree)] if self.pp_degree > 1 else []
         return flags + ([] if self.precision == "fp32" else [f"--{self.precision}"])
 
     def trainer_config(self, strategy: str) -> TrainConfig:

@@ -27,14 +27,19 @@ from distlm.plan.flops import flops_per_token, model_flops_utilization, model_sh
 # measured against its smallest world size. Weak scaling keeps the per-replica batch,
 # strong scaling the global batch.
 SERIES_FIELDS = ("arch", "mode", "strategy", "tokens_per_sample", "update_freq", "precision", "comm_hook",
-                 "tp_degree", "vocab_size", "device", "threads_per_rank")
+                 "tp_degree", "pp_degree", "vocab_size", "device", "threads_per_rank")
+# Fields rows written before they existed lack: their value then.
+FIELD_DEFAULTS = {"pp_degree": 1}
+# Model-parallel degrees: a series with them compares with the same settings without.
+MODEL_PARALLEL_FIELDS = ("tp_degree", "pp_degree")
 RESULTS, ALLREDUCE, CALIBRATION, TABLE = "results.jsonl", "allreduce.jsonl", "calibration.jsonl", "results.md"
 
 
 def series_key(row: dict[str, Any]) -> tuple:
     """What a row's scaling series is: its settings but the world size."""
     batch = row["batch_size"] if row["mode"] == "weak" else row["global_batch_size"]
-    return tuple(row[name] for name in SERIES_FIELDS) + (batch,)
+    return tuple(row.get(name, FIELD_DEFAULTS.get(name)) if name in FIELD_DEFAULTS else row[name]
+                 for name in SERIES_FIELDS) + (batch,)
 
 
 def point_key(row: dict[str, Any]) -> tuple:
@@ -43,9 +48,10 @@ def point_key(row: dict[str, Any]) -> tuple:
 
 
 def series_label(row: dict[str, Any]) -> str:
-    """The strategy, with its comm hook and tp degree where not the defaults (``ddp fp16``, ``fsdp tp2``)."""
+    """The strategy, with its comm hook, tp and pp degree where not the defaults (``ddp fp16``, ``fsdp tp2``)."""
     return (row["strategy"] + ("" if row["comm_hook"] == "allreduce" else f" {row['comm_hook']}")
-            + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}"))
+            + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}")
+            + ("" if row.get("pp_degree", 1) == 1 else f" pp{row['pp_degree']}"))
 
 
 def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
@@ -63,32 +69,33 @@ def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
 
 
 def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (strategy, comm hook, tp degree, world size) from the launches' raw
+    """One row per (strategy, comm hook, tp degree, pp degree, world size) from the launches' raw
     results (``worker`` output).
 
     ``settings`` holds ``arch``, ``mode``, the requested ``strategies`` and, optionally, the
-    ``combinations`` ([strategy, comm hook, tp degree]) the sweep runs; everything else
+    ``combinations`` ([strategy, comm hook, tp degree (, pp degree)]) the sweep runs; everything else
     comes from each launch's spec. A launch with one data-parallel replica stands for
-    every combination of its tp degree: nothing communicates gradients, wraps or shards there.
+    every combination of its tp and pp degree: nothing communicates gradients, wraps or shards there.
     """
-    combos = settings.get("combinations")
-    samples: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+    combos = [list(c) + [1] * (4 - len(c)) for c in settings.get("combinations") or []]  # pp 1 unless given
+    samples: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
     for launch in launches:
         spec = launch["spec"]
+        degrees = (spec["tp_degree"], spec.get("pp_degree", 1))
         for times in launch["strategies"]:
-            point = (times["strategy"], spec["comm_hook"], spec["tp_degree"])
+            point = (times["strategy"], spec["comm_hook"], *degrees)
             if times["dp_degree"] == 1:
-                stands_for = [tuple(c) for c in combos if c[2] == spec["tp_degree"]] if combos else [
-                    (strategy, spec["comm_hook"], spec["tp_degree"]) for strategy in settings["strategies"]]
+                stands_for = [tuple(c) for c in combos if tuple(c[2:]) == degrees] if combos else [
+                    (strategy, spec["comm_hook"], *degrees) for strategy in settings["strategies"]]
             else:
                 stands_for = [point]
-            for strategy, comm_hook, tp_degree in stands_for:
-                samples.setdefault((strategy, comm_hook, tp_degree, times["world_size"]), []).append(
+            for strategy, comm_hook, tp_degree, pp_degree in stands_for:
+                samples.setdefault((strategy, comm_hook, tp_degree, pp_degree, times["world_size"]), []).append(
                     {"launch": launch, "times": times}
                 )
 
     rows = []
-    for (strategy, comm_hook, _, world_size), entries in sorted(samples.items()):
+    for (strategy, comm_hook, _, _, world_size), entries in sorted(samples.items()):
         summaries = [launch_summary(entry["times"]) for entry in entries]
         step = statistics.median(s["step"] for s in summaries)
         optimizer = statistics.median(s["optimizer"] for s in summaries)
@@ -120,6 +127,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "global_batch_size": global_batch,
             "dp_degree": times["dp_degree"],
             "tp_degree": spec["tp_degree"],
+            "pp_degree": spec.get("pp_degree", 1),
             "precision": spec["precision"],
             "comm_hook": comm_hook,
             "device": launch["device"],
@@ -151,16 +159,16 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
 
 
 def baseline_key(row: dict[str, Any]) -> tuple:
-    """A row's series but its tp degree: tensor-parallel series compare with the plain one."""
-    return tuple(value for name, value in zip(SERIES_FIELDS, series_key(row)) if name != "tp_degree") + (
+    """A row's series but its tp and pp degrees: model-parallel series compare with the plain one."""
+    return tuple(value for name, value in zip(SERIES_FIELDS, series_key(row)) if name not in MODEL_PARALLEL_FIELDS) + (
         series_key(row)[-1],
     )
 
 
 def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fill ``efficiency``: tokens/s per rank over that of the baseline, the smallest world
-    size of the series, or for a tensor-parallel series that of the same settings without
-    tensor parallel (its 1-rank point) when the sweep has it.
+    size of the series, or for a tensor- or pipeline-parallel series that of the same settings
+    without them (its 1-rank point) when the sweep has it.
 
     Weak scaling: per-rank throughput relative to the baseline. Strong scaling (same
     tokens per update): speedup over the baseline divided by the growth in ranks. Both are
@@ -171,9 +179,12 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = series_key(row)
         if key not in baselines or row["world_size"] < baselines[key]["world_size"]:
             baselines[key] = row
-    plain = {baseline_key(base): base for base in baselines.values() if base["tp_degree"] == 1}
+    def model_parallel(row: dict[str, Any]) -> bool:
+        return row["tp_degree"] > 1 or row.get("pp_degree", 1) > 1
+
+    plain = {baseline_key(base): base for base in baselines.values() if not model_parallel(base)}
     for key, base in list(baselines.items()):
-        if base["tp_degree"] > 1 and baseline_key(base) in plain:
+        if model_parallel(base) and baseline_key(base) in plain:
             baselines[key] = plain[baseline_key(base)]
     for row in rows:
         base = baselines[series_key(row)]

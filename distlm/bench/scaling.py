@@ -82,25 +82,32 @@ def name_list(flag: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 @dataclass(frozen=True)
 class Launch:
-    """What one launch measures: a world size, a comm hook and a tp degree, its strategies."""
+    """What one launch measures: a world size, a comm hook, a tp and a pp degree, its strategies."""
 
     world_size: int
     comm_hook: str
     tp_degree: int
     strategies: tuple[str, ...]
+    pp_degree: int = 1
 
     @property
     def one_replica(self) -> bool:
-        return self.world_size // self.tp_degree == 1
+        return self.world_size // (self.tp_degree * self.pp_degree) == 1
 
     def label(self) -> str:
         settings = "" if self.comm_hook == "allreduce" else f", --comm-hook {self.comm_hook}"
         settings += "" if self.tp_degree == 1 else f", tp {self.tp_degree}"
+        settings += "" if self.pp_degree == 1 else f", pp {self.pp_degree}"
         return f"{self.world_size} rank{'s' if self.world_size > 1 else ''}{settings}"
 
     def stem(self) -> str:
         return (f"ranks{self.world_size}" + ("" if self.comm_hook == "allreduce" else f"_{self.comm_hook}")
-                + ("" if self.tp_degree == 1 else f"_tp{self.tp_degree}"))
+                + ("" if self.tp_degree == 1 else f"_tp{self.tp_degree}")
+                + ("" if self.pp_degree == 1 else f"_pp{self.pp_degree}"))
+
+    def combination(self, strategy: str) -> list:
+        """[strategy, comm hook, tp degree], and the pp degree where there is one."""
+        return [strategy, self.comm_hook, self.tp_degree] + ([self.pp_degree] if self.pp_degree > 1 else [])
 
 
 def build_parser() -> OneLineErrorParser:
@@ -133,6 +140,9 @@ def build_parser() -> OneLineErrorParser:
              "measured with the strategies that take a hook (ddp, zero1)")
     add("--tp-degree", type=whole_number_list("--tp-degree"), default=[1],
         help="tensor-parallel degrees, comma-separated (default 1); each at the world sizes it divides")
+    add("--pp-degree", type=whole_number_list("--pp-degree"), default=[1],
+        help="pipeline degrees, comma-separated (default 1), passed to distlm.train's --pp-degree; each with "
+             "every tp degree whose product with it divides the world size")
     add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
     add("--data", default=None,
         help="as distlm.train's --data: a fairseq-preprocess directory (default: the built-in corpus)")
@@ -158,11 +168,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         value = getattr(args, flag)
         if value < minimum:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least {minimum}, got {value}")
-    for degree in args.tp_degree:
-        if degree < 1:
-            raise UsageError(f"--tp-degree must be at least 1, got {degree}")
-    if len(set(args.tp_degree)) != len(args.tp_degree):
-        raise UsageError(f"--tp-degree {','.join(map(str, args.tp_degree))} names a degree twice")
+    for flag, degrees in (("--tp-degree", args.tp_degree), ("--pp-degree", args.pp_degree)):
+        for degree in degrees:
+            if degree < 1:
+                raise UsageError(f"{flag} must be at least 1, got {degree}")
+        if len(set(degrees)) != len(degrees):
+            raise UsageError(f"{flag} {','.join(map(str, degrees))} names a degree twice")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
         raise UsageError(f"--threads-per-rank must be at least 1, got {args.threads_per_rank}")
     if args.allreduce_max_mib < 0:
@@ -173,20 +184,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if args.global_batch_size < 1:
             raise UsageError(f"--global-batch-size must be at least 1, got {args.global_batch_size}")
     if args.ranks is not None:
-        check_ranks(args.ranks, args.tp_degree)
+        check_ranks(args.ranks, args.tp_degree, args.pp_degree)
     if not args.no_plots:
         plots.require_matplotlib()
     return args
 
 
-def check_ranks(ranks: list[int], tp_degrees: list[int]) -> None:
-    """UsageError for a world size below 1, a multiple of none of the tp degrees, or given twice."""
+def check_ranks(ranks: list[int], tp_degrees: list[int], pp_degrees: list[int] = (1,)) -> None:
+    """UsageError for a world size below 1, a multiple of none of the tp (x pp) degrees, or given twice."""
     for count in ranks:
         if count < 1:
             raise UsageError(f"--ranks must be at least 1, got {count}")
-        if all(count % degree for degree in tp_degrees):
+        if all(count % (tp * pp) for tp in tp_degrees for pp in pp_degrees):
             raise UsageError(
                 f"--ranks {count} is not a multiple of --tp-degree {','.join(map(str, tp_degrees))}"
+                + ("" if list(pp_degrees) == [1] else f" x --pp-degree {','.join(map(str, pp_degrees))}")
             )
     if len(set(ranks)) != len(ranks):
         raise UsageError(f"--ranks {','.join(map(str, ranks))} names a world size twice")
@@ -196,16 +208,19 @@ def global_batch_size(args: argparse.Namespace, ranks: list[int]) -> int:
     """Strong scaling's samples per update: given, or the fewest replicas of any point at --batch-size."""
     if args.global_batch_size is not None:
         return args.global_batch_size
-    replicas = min(count // degree for count in ranks for degree in args.tp_degree if count % degree == 0)
+    replicas = min(count // (tp * pp) for count in ranks for tp in args.tp_degree for pp in args.pp_degree
+                   if count % (tp * pp) == 0)
     return args.batch_size * args.update_freq * replicas
 
 
-def replica_batch_size(args: argparse.Namespace, world_size: int, ranks: list[int], tp_degree: int = 1) -> int:
-    """Samples per micro-batch per replica at ``world_size`` with ``tp_degree``."""
+def replica_batch_size(
+    args: argparse.Namespace, world_size: int, ranks: list[int], tp_degree: int = 1, pp_degree: int = 1
+) -> int:
+    """Samples per micro-batch per replica at ``world_size`` with ``tp_degree`` and ``pp_degree``."""
     if args.mode == "weak":
         return args.batch_size
     total = global_batch_size(args, ranks)
-    dp = world_size // tp_degree
+    dp = world_size // (tp_degree * pp_degree)
     per_replica, rest = divmod(total, dp * args.update_freq)
     if rest or per_replica == 0:
         raise UsageError(
@@ -230,9 +245,10 @@ def launch_spec(args: argparse.Namespace, launch: Launch, strategies: list[str],
     world_size = launch.world_size
     return LaunchSpec(
         arch=args.arch, strategies=strategies,
-        batch_size=replica_batch_size(args, world_size, ranks, launch.tp_degree),
+        batch_size=replica_batch_size(args, world_size, ranks, launch.tp_degree, launch.pp_degree),
         update_freq=args.update_freq, tokens_per_sample=args.tokens_per_sample, precision=args.precision,
-        comm_hook=launch.comm_hook, tp_degree=launch.tp_degree, bucket_cap_mb=args.bucket_cap_mb,
+        comm_hook=launch.comm_hook, tp_degree=launch.tp_degree, pp_degree=launch.pp_degree,
+        bucket_cap_mb=args.bucket_cap_mb,
         device=args.device, steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
         allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 else [],
     )
@@ -256,58 +272,60 @@ def plan_launches(args: argparse.Namespace, ranks: list[int], env: ClusterEnv | 
             rank=0, world_size=world_size, local_rank=0, local_world_size=world_size, node_rank=0, num_nodes=1,
             master_addr="127.0.0.1", master_port=29500, launcher="torchelastic",
         )
-        for tp_degree in args.tp_degree:
-            if world_size % tp_degree:
+        for tp_degree, pp_degree in ((tp, pp) for tp in args.tp_degree for pp in args.pp_degree):
+            if world_size % (tp_degree * pp_degree):
                 continue
             for comm_hook in args.comm_hook:
-                candidate = Launch(world_size, comm_hook, tp_degree, ())
+                candidate = Launch(world_size, comm_hook, tp_degree, (), pp_degree)
                 runs = []
                 for strategy in args.strategy:
                     spec = launch_spec(args, candidate, [strategy], ranks)
                     try:
                         validate(spec.trainer_config(strategy), layout, backend)
                     except UsageError as exc:
-                        refused.setdefault((strategy, comm_hook, tp_degree), exc)
+                        refused.setdefault((strategy, comm_hook, tp_degree, pp_degree), exc)
                         continue
                     runs.append(strategy)
-                    used |= {("--strategy", strategy), ("--comm-hook", comm_hook), ("--tp-degree", tp_degree)}
+                    used |= {("--strategy", strategy), ("--comm-hook", comm_hook), ("--tp-degree", tp_degree),
+                             ("--pp-degree", pp_degree)}
                 if runs:
-                    launches.append(Launch(world_size, comm_hook, tp_degree, tuple(runs)))
+                    launches.append(Launch(world_size, comm_hook, tp_degree, tuple(runs), pp_degree))
     requested = ([("--strategy", name) for name in args.strategy] + [("--comm-hook", name) for name in args.comm_hook]
-                 + [("--tp-degree", degree) for degree in args.tp_degree])
+                 + [("--tp-degree", degree) for degree in args.tp_degree]
+                 + [("--pp-degree", degree) for degree in args.pp_degree])
     for flag, value in requested:
         if (flag, value) not in used:
             reasons = [exc for key, exc in refused.items() if value in key]
             if reasons:
                 raise reasons[0]
             raise UsageError(f"{flag} {value} has no point in --ranks {','.join(map(str, ranks))}")
-    for (strategy, comm_hook, tp_degree), exc in refused.items():
-        _say(f"distlm.bench scaling: leaving out {strategy} with --comm-hook {comm_hook} and --tp-degree "
-             f"{tp_degree}: {exc}")
+    for (strategy, comm_hook, tp_degree, pp_degree), exc in refused.items():
+        _say(f"distlm.bench scaling: leaving out {strategy} with --comm-hook {comm_hook}, --tp-degree "
+             f"{tp_degree} and --pp-degree {pp_degree}: {exc}")
     return launches
 
 
 def measured_launches(launches: list[Launch]) -> list[Launch]:
     """The launches to run: with one data-parallel replica, one strategy of the first hook
-    for each tp degree (it stands for the others)."""
+    for each tp and pp degree (it stands for the others)."""
     kept, seen = [], set()
     for launch in launches:
         if launch.one_replica:
-            if (launch.world_size, launch.tp_degree) in seen:
+            if (launch.world_size, launch.tp_degree, launch.pp_degree) in seen:
                 continue
-            seen.add((launch.world_size, launch.tp_degree))
-            launch = Launch(launch.world_size, launch.comm_hook, launch.tp_degree, launch.strategies[:1])
+            seen.add((launch.world_size, launch.tp_degree, launch.pp_degree))
+            launch = dataclasses.replace(launch, strategies=launch.strategies[:1])
         kept.append(launch)
     return kept
 
 
 def combinations(launches: list[Launch]) -> list[list]:
-    """Every [strategy, comm hook, tp degree] distlm.train runs at some world size of the sweep."""
+    """Every [strategy, comm hook, tp degree (, pp degree)] distlm.train runs at some world size of the sweep."""
     found: list[list] = []
     for launch in launches:
         for strategy in launch.strategies:
-            if [strategy, launch.comm_hook, launch.tp_degree] not in found:
-                found.append([strategy, launch.comm_hook, launch.tp_degree])
+            if launch.combination(strategy) not in found:
+                found.append(launch.combination(strategy))
     return found
 
 
@@ -337,7 +355,7 @@ def run_launches(
                 launch = run_torchrun(spec, world_size, threads, stem, label)
                 launches.append(launch)
                 _report(launch, label, started)
-            if world_size > 1 and args.host_sharing and any(item.tp_degree == 1 for item in planned):
+            if world_size > 1 and args.host_sharing and any(item.tp_degree == item.pp_degree == 1 for item in planned):
                 spec = host_sharing_spec(args, world_size, ranks, planned)
                 label = f"repetition {repeat + 1}/{args.repeats}, {world_size} one-rank launches at once"
                 _say(f"[{label}] {spec.strategies[0]}: batch {spec.batch_size} x {spec.update_freq} each")
@@ -354,7 +372,7 @@ def host_sharing_spec(
     args: argparse.Namespace, world_size: int, ranks: list[int], planned: list[Launch]
 ) -> LaunchSpec:
     """A one-rank launch with ``world_size``'s batch per replica, to run ``world_size`` times at once."""
-    first = next(launch for launch in planned if launch.tp_degree == 1)
+    first = next(launch for launch in planned if launch.tp_degree == launch.pp_degree == 1)
     spec = launch_spec(args, Launch(1, first.comm_hook, 1, first.strategies[:1]), list(first.strategies[:1]), ranks)
     return dataclasses.replace(spec, batch_size=replica_batch_size(args, world_size, ranks), allreduce_sizes=[],
                                concurrent_processes=world_size)
@@ -518,7 +536,7 @@ def main(argv: Sequence[str]) -> int:
                     f"inside a launch of {env.world_size} ranks the suite measures that world size; "
                     f"drop --ranks or give --ranks {env.world_size}"
                 )
-            check_ranks([env.world_size], args.tp_degree)
+            check_ranks([env.world_size], args.tp_degree, args.pp_degree)
             if args.mode == "strong" and args.global_batch_size is None:
                 raise UsageError(
                     "--mode strong inside a launch needs --global-batch-size, the same in every launch of the sweep"
@@ -527,7 +545,7 @@ def main(argv: Sequence[str]) -> int:
             launches = run_in_place(args, env, measured_launches(planned))
         else:
             ranks = sorted(args.ranks or [1, 2])
-            check_ranks(ranks, args.tp_degree)
+            check_ranks(ranks, args.tp_degree, args.pp_degree)
             planned = plan_launches(args, ranks)
             out_dir.mkdir(parents=True, exist_ok=True)
             launches = run_launches(args, ranks, measured_launches(planned), out_dir)

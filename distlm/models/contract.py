@@ -26,6 +26,8 @@ CONTRACT: dict[str, tuple[bool, str]] = {
                       "checkpointing and compilation; None: no per-block unit"),
     "tp_plan": (False, "module-name pattern -> tensor-parallel style (parallel/tp.py); empty: no tensor parallel"),
     "tp_divisible": (False, "config fields the tensor-parallel degree must divide"),
+    "tp_kv_heads": (False, "the config field counting the key/value heads of colwise_kv projections; the "
+                           "tensor-parallel degree must divide it or be a multiple of it"),
 }
 """Member -> (required, what it is)."""
 

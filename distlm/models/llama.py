@@ -182,9 +182,6 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        # The ratio, not the head counts, is what survives tensor parallelism: each
-        # rank holds n_heads/tp query heads and n_kv_heads/tp key/value heads.
-        self.n_rep = config.n_heads // config.kv_heads
         self.attention_dropout = config.attention_dropout
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
@@ -197,9 +194,12 @@ class LlamaAttention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
+        # Query heads per key/value head, from the shapes: tensor parallelism changes the
+        # heads a rank holds, and past the key/value heads also their ratio.
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
         dropout_p = self.attention_dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -241,8 +241,8 @@ _BLOCK_TP_PLAN: dict[str, str] = {
     "layers.*.attention_norm": "sequence_norm",
     "layers.*.attention": "sequence_gather",
     "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise",
-    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wk": "colwise_kv",
+    "layers.*.attention.wv": "colwise_kv",
     "layers.*.attention.wo": "rowwise",
     "layers.*.ffn_norm": "sequence_norm",
     "layers.*.feed_forward": "sequence_gather",
@@ -273,7 +273,10 @@ class LlamaCausalLM(TransformerLM):
     # sequence. A tied model carries this plan as its instance's tp_plan.
     tied_tp_plan: dict[str, str] = {"layers": "sequence_region", **_BLOCK_TP_PLAN}
     # Config fields (or properties) the tensor-parallel degree must divide.
-    tp_divisible: tuple[str, ...] = ("n_heads", "kv_heads", "ffn_hidden_dim")
+    tp_divisible: tuple[str, ...] = ("n_heads", "ffn_hidden_dim")
+    # The key/value heads of the colwise_kv projections: the degree divides them or is
+    # a multiple of them (then each head is replicated over degree / kv_heads ranks).
+    tp_kv_heads: str = "kv_heads"
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -2,7 +2,8 @@
 
 Copies live on the ranks of the data-parallel group (unless FSDP shards it, by design)
 and, for whatever tensor parallel leaves whole (norms, RoBERTa's embeddings, replicated
-DTensors), on the ranks of the tensor-parallel group.
+DTensors), on the ranks of the tensor-parallel group; a key/value head replicated over
+tp ranks (tp wider than the heads) on the ranks sharing it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from distlm.mesh import ParallelDims
 from distlm.parallel.names import parameter_names
+from distlm.parallel.tp import HEADS_MESH_DIMS
 
 
 class ReplicaDrift(RuntimeError):
@@ -44,9 +46,15 @@ def first_replica_drift(model: nn.Module, dims: ParallelDims, device_type: str) 
     if dims.dp_enabled and dims.replicas_share_parameters:
         drifts.append(_first_difference(params, names, dims.dp_group(device_type), "data-parallel"))
     if dims.tp_enabled:
-        whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp")]
+        heads, replicas = HEADS_MESH_DIMS
+        whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp") and not _sharded_on(p, heads)]
         drifts.append(_first_difference([params[i] for i in whole], [names[i] for i in whole],
                                         dims.tp_group(device_type), "tensor-parallel"))
+        # Key/value heads replicated over tp ranks (tp wider than the heads): the copies of a head.
+        shared = [i for i, p in enumerate(params) if _sharded_on(p, heads)]
+        if shared:
+            drifts.append(_first_difference([params[i] for i in shared], [names[i] for i in shared],
+                                            params[shared[0]].device_mesh.get_group(replicas), "key/value head replica"))
     return next((d for d in drifts if d is not None), None)
 
 

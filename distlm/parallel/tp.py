@@ -10,6 +10,9 @@ plan style             without --sequence-parallel                              
 ``colwise``            ColwiseParallel: weight rows (output features) sharded     input all-gathered from sequence
                        (Q/K/V, fc1, w1/w3); output stays sharded (local heads)    shards unless its parent is a
                                                                                   ``sequence_gather`` module
+``colwise_kv``         ``colwise`` for key/value projections; a degree that is    as ``colwise``
+                       a multiple of the model's key/value heads replicates
+                       each head over degree / heads ranks (below)
 ``rowwise``            RowwiseParallel: weight columns sharded (out, fc2, w2);    reduce-scatter onto sequence
                        partial outputs all-reduced                                shards instead of all-reduce
 ``vocab_embedding``    RowwiseParallel on an embedding: vocabulary rows sharded,  output reduce-scattered onto
@@ -37,6 +40,15 @@ sizes, e.g. 131 + 130 rows for the 261-symbol byte vocabulary on 2 ranks). DTens
 vocabulary-parallel embedding and loss handle uneven shards (tested), so nothing is
 padded and nothing is refused: parameter shapes and single-device numerics stay as they are.
 
+Tensor parallel wider than the key/value heads (grouped-query attention, e.g. Llama 3's
+8 heads at TP 16 or 32): the degree must still divide the query heads, and each rank's
+query heads then read one key/value head, which ``degree / kv_heads`` consecutive ranks
+share. Each of those ranks holds that head (Megatron's and NxD's layout), but the
+parameter stays the single-device tensor: a DTensor on the tp mesh unflattened into
+(heads, replicas), placed (Shard(0), Replicate()), so state dicts, checkpoints and
+exports hold each head once. The replicas' gradients differ (each comes from other
+query heads) and the head's gradient is their sum, all-reduced over the replicas.
+
 Dropout: wherever activations are replicated across the TP ranks of a replica (without
 --sequence-parallel the whole residual stream; RoBERTa's embedding block always), all of
 them must draw the same mask, or their copies drift apart (tests/test_tp.py shows both).
@@ -59,9 +71,10 @@ import re
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -80,6 +93,7 @@ logger = logging.getLogger("distlm")
 
 STYLES = (
     "colwise",
+    "colwise_kv",
     "rowwise",
     "vocab_embedding",
     "colwise_output",
@@ -133,6 +147,12 @@ def validate_tp(
     unknown = sorted(set(plan.values()) - set(STYLES))
     if unknown:
         raise UsageError(f"--tp-degree {tp_degree}: {name}'s tp_plan uses unknown styles {unknown}; known: {', '.join(STYLES)}")
+    heads = kv_heads(model)
+    if heads is not None and heads % tp_degree and tp_degree % heads:
+        raise UsageError(
+            f"--tp-degree {tp_degree} neither divides nor is a multiple of n_kv_heads {heads} of {name}; "
+            f"choose a divisor or a multiple of {heads}"
+        )
     for field in getattr(model, "tp_divisible", ()) if config is not None else ():
         value = getattr(config, field)
         if value % tp_degree:
@@ -150,6 +170,13 @@ def validate_tp(
 
 # Config fields shown under the name users know them by.
 _FIELD_NAMES = {"kv_heads": "n_kv_heads"}
+
+
+def kv_heads(model: nn.Module) -> int | None:
+    """How many heads the model's ``colwise_kv`` projections hold (its ``tp_kv_heads``
+    config field), or None when it declares none."""
+    field, config = getattr(model, "tp_kv_heads", None), getattr(model, "config", None)
+    return None if field is None or config is None else getattr(config, field)
 
 
 # ---------------------------------------------------------------- application
@@ -184,21 +211,27 @@ def _parent(name: str) -> str:
 
 
 def _styles(
-    model: nn.Module, resolved: dict[str, str], sequence_parallel: bool, loss_parallel: bool
+    model: nn.Module, resolved: dict[str, str], sequence_parallel: bool, loss_parallel: bool,
+    heads_mesh: DeviceMesh | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """The torch parallel style for each module name (for parallelize_module), and
-    (name, style) pairs to apply after it."""
+    (name, style) pairs to apply after it. ``heads_mesh``: the (heads, replicas) mesh
+    when the degree exceeds the key/value heads."""
     sp = sequence_parallel
     stream = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     gathered = {name for name, style in resolved.items() if style == "sequence_gather"}
     plan: dict[str, Any] = {}
     later: list[tuple[str, Any]] = []
     for name, style in resolved.items():
-        if style == "colwise":
+        if style in ("colwise", "colwise_kv"):
             # Under SP a colwise layer gathers its own input unless its parent did it
             # once for all its colwise children.
             own_gather = sp and _parent(name) not in gathered
-            plan[name] = ColwiseParallel(input_layouts=Shard(1)) if own_gather else ColwiseParallel()
+            layouts = {"input_layouts": Shard(1)} if own_gather else {}
+            if style == "colwise_kv" and heads_mesh is not None:
+                plan[name] = ColwiseOverHeadReplicas(heads_mesh, **layouts)
+            else:
+                plan[name] = ColwiseParallel(**layouts)
         elif style == "rowwise":
             plan[name] = RowwiseParallel(output_layouts=stream)
         elif style == "vocab_embedding":
@@ -256,7 +289,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     validate_tp(model, degree)
     resolved = _resolve(model, model_tp_plan(model))
     loss_parallel = loss_parallel and "colwise_output" in resolved.values()
-    styles, later = _styles(model, resolved, sequence_parallel, loss_parallel)
+    heads = kv_heads(model)
+    heads_mesh = None
+    if heads is not None and degree > heads and "colwise_kv" in resolved.values():
+        heads_mesh = tp_mesh._unflatten(0, (heads, degree // heads), HEADS_MESH_DIMS)
+    styles, later = _styles(model, resolved, sequence_parallel, loss_parallel, heads_mesh)
     parallelize_module(model, tp_mesh, styles)
     for name, style in later:
         parallelize_module(model.get_submodule(name), tp_mesh, style)
@@ -273,13 +310,61 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     info = TPInfo(degree=degree, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     setattr(model, _TP_INFO, info)
     logger.info(
-        "applied tensor parallel over %d ranks (%d modules sharded%s%s)",
+        "applied tensor parallel over %d ranks (%d modules sharded%s%s%s)",
         degree,
-        sum(style in ("colwise", "rowwise", "vocab_embedding", "colwise_output") for style in resolved.values()),
+        sum(style in ("colwise", "colwise_kv", "rowwise", "vocab_embedding", "colwise_output")
+            for style in resolved.values()),
         ", sequence parallel" if sequence_parallel else "",
         ", loss parallel" if loss_parallel else "",
+        f", each of {heads} key/value heads on {degree // heads} ranks" if heads_mesh is not None else "",
     )
     return model
+
+
+# Names of the tp mesh unflattened into (key/value heads, replicas of each head).
+HEADS_MESH_DIMS = ("tp_kv", "tp_kv_replica")
+
+
+class ColwiseOverHeadReplicas(ColwiseParallel):
+    """ColwiseParallel for a key/value projection over more ranks than it has heads.
+
+    Consecutive tp ranks share a head (those whose query heads read it). The weight is
+    distributed on ``heads_mesh`` as (Shard(0), Replicate()): global shape unchanged,
+    each rank holding its head's rows. In forward those rows are viewed as the rank's
+    Shard(0) of all ranks' rows stacked on the tp mesh, so the layer computes, and its
+    input's gradient leaves, exactly as a ``colwise`` layer's. The local weight gradient
+    goes back Partial over the replicas, and redistributing it to the parameter's layout
+    (the hook of ``shard_gradients_like_parameters``, or FSDP/replicate) sums it there.
+    """
+
+    def __init__(self, heads_mesh: DeviceMesh, *, input_layouts=None) -> None:
+        super().__init__(input_layouts=input_layouts)
+        self.heads_mesh = heads_mesh
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in module.named_parameters():
+            placed = distribute_tensor(param, self.heads_mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise UsageError(f"--tp-degree: tp_plan style colwise_kv needs an nn.Linear, got {type(module).__name__}; "
+                             "fix the model's tp_plan")
+        module.forward = functools.partial(_linear_over_head_replicas, module, device_mesh)
+        return super()._apply(module, device_mesh)
+
+
+def _linear_over_head_replicas(module: nn.Linear, tp_mesh: DeviceMesh, x: DTensor) -> DTensor:
+    bias = None if module.bias is None else _stacked_replicas(module.bias, tp_mesh)
+    return F.linear(x, _stacked_replicas(module.weight, tp_mesh), bias)
+
+
+def _stacked_replicas(param: DTensor, tp_mesh: DeviceMesh) -> DTensor:
+    """The rank's rows of ``param`` as its Shard(0) of every tp rank's rows stacked (replicas repeated)."""
+    local = param.to_local(grad_placements=(Shard(0), Partial()))
+    shape = (local.shape[0] * tp_mesh.size(), *local.shape[1:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, tp_mesh, (Shard(0),), run_check=False, shape=shape, stride=stride)
 
 
 def _own_storage(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:

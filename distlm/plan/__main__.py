@@ -3,6 +3,8 @@
     python -m distlm.plan --arch llama3_8b --cluster trn1.32xlarge --nodes 1,2,4,8 \\
         --strategy zero1 --tp-degree 32 --precision bf16 --tokens-per-sample 8192 \\
         --batch-size 1 --global-batch-size 1024
+    python -m distlm.plan --arch path/to/Llama-3.1-70B/config.json --cluster trn1.32xlarge --nodes 32 \\
+        --tp-degree 32 --pp-degree 8 --pp-microbatches 32 --batch-size 32 --precision bf16 ...
 
 One row per node count (``--json``: a JSON list of objects). Flags keep distlm.train's
 names, meanings and defaults. ``--cluster local --ranks 1,2 --calibrate FILE`` plans this
@@ -16,6 +18,7 @@ import json
 import sys
 from typing import Sequence
 
+from distlm.choices import PP_SCHEDULES
 from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.plan.flops import count_parameters, flops_per_token, model_shape
@@ -48,6 +51,12 @@ def build_parser() -> OneLineErrorParser:
     add("--ranks-per-node", type=int, default=None, help="override the profile's ranks per node")
     add("--strategy", default="ddp", choices=STRATEGIES, help="ddp, zero1 or fsdp")
     add("--tp-degree", type=int, default=1, help="tensor-parallel degree (inside a node)")
+    add("--pp-degree", type=int, default=1, help="pipeline stages (outermost: pp x dp x tp ranks)")
+    add("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
+    add("--pp-microbatches", type=int, default=None,
+        help="micro-batches each --batch-size is split into per pipeline pass (default 2 x --pp-degree)")
+    add("--pp-stages-per-rank", type=int, default=None,
+        help="stages per rank of the looped schedules (interleaved-1f1b, zero-bubble; zbv runs 2)")
     add("--batch-size", type=int, default=None, help="samples per micro-batch per data-parallel replica (default 16)")
     add("--update-freq", type=int, default=None, help="micro-batches per update (default 1)")
     add("--global-batch-size", type=int, default=None,
@@ -90,13 +99,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
         )
     shape = model_shape(args.arch, args.vocab_size)
     rows = []
-    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree):
+    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree, args.pp_degree):
         micro, update_freq = resolve_batch(layout.dp, args.batch_size, args.update_freq, args.global_batch_size)
         workload = Workload(
             shape=shape, strategy=args.strategy, precision=args.precision, tokens_per_sample=args.tokens_per_sample,
             batch_size=micro, update_freq=update_freq, comm_hook=args.comm_hook, double_buffering=args.double_buffering,
             bucket_cap_mb=args.bucket_cap_mb, allreduce_algorithm=args.allreduce_algorithm,
             sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
+            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+            pp_stages_per_rank=args.pp_stages_per_rank,
         )
         rows.append(project(workload, cluster, layout))
     header = [
@@ -109,10 +120,18 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
         + (" with double buffering" if args.double_buffering else "")
         + f" ({args.allreduce_algorithm}), buckets of {args.bucket_cap_mb:g} MiB",
     ] + notes
+    if rows and rows[0].pp_degree > 1:
+        row = rows[0]
+        header.append(
+            f"--pp-degree {row.pp_degree}, --pp-schedule {row.pp_schedule}, {row.pp_microbatches} micro-batches "
+            f"per pass, {row.pp_stages_per_rank} stage(s) per rank: bubble {row.pp_bubble_s:.3f} s of the first row's "
+            f"{row.step_time_s:.3f} s step"
+        )
     if args.tp_degree > shape.n_kv_heads:
         header.append(
             f"note: --tp-degree {args.tp_degree} > n_kv_heads {shape.n_kv_heads}: each rank keeps one key/value head, "
-            "replicated (neuronx-distributed's layout); distlm's own tensor parallel needs tp to divide n_kv_heads"
+            f"replicated over {args.tp_degree // shape.n_kv_heads} ranks (distlm's, Megatron's and "
+            "neuronx-distributed's layout)"
         )
     return rows, header
 
@@ -128,6 +147,8 @@ def format_table(rows: list[Projection]) -> str:
         ("tp_comm", "{:>8.3f}", lambda r: r.tp_comm_s),
         ("dp_comm", "{:>8.3f}", lambda r: r.dp_comm_s),
         ("exposed", "{:>8.3f}", lambda r: r.comm_exposed_s),
+        *([("bubble", "{:>8.3f}", lambda r: r.pp_bubble_s), ("p2p", "{:>7.3f}", lambda r: r.pp_p2p_s)]
+          if any(r.pp_degree > 1 for r in rows) else []),
         ("optim", "{:>7.3f}", lambda r: r.optimizer_s),
         ("tokens/s", "{:>10.0f}", lambda r: r.tokens_per_s),
         ("samples/s", "{:>9.2f}", lambda r: r.samples_per_s),

@@ -34,6 +34,14 @@
   as distlm keeps them in every precision mode), sharded as the strategy shards them,
   split by the tensor-parallel degree where the model's TP plan splits them; plus an
   estimate of activations.
+* Pipeline parallel (``--pp-degree``, mesh order pp, dp, tp): each stage is projected on
+  its own (its blocks, the embedding on the first, the head on the last, its data-parallel
+  group and optimizer), one pipeline micro-batch at a time. A pass of M micro-batches
+  takes M slots of the slowest stage plus the schedule's bubble of idle slots (P-1 for
+  GPipe and 1F1B, so the bubble is (P-1)/(M+P-1) of the pass; divided by V when each rank
+  runs V interleaved stages); a slot is that stage's forward and backward plus the two
+  point-to-point transfers it waits for (the activation in, its gradient back). Memory per
+  rank counts only its stage, with the activations of the micro-batches it holds in flight.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COLLECTIVES, COMM_HOOKS, STRATEGIES
+from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_SCHEDULES, STRATEGIES
 from distlm.errors import UsageError
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.plan.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
@@ -422,11 +430,13 @@ def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the ranks are: ``nodes`` x ``ranks_per_node``, tensor parallel inside a node."""
+    """Where the ranks are: ``nodes`` x ``ranks_per_node``, tensor parallel inside a node,
+    ``pp`` pipeline stages outermost (each a block of world / pp consecutive ranks)."""
 
     nodes: int
     ranks_per_node: int
     tp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
@@ -434,12 +444,28 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def stage_nodes(self) -> int:
+        """Nodes one pipeline stage spans (all of them without pipeline parallel)."""
+        return max(1, math.ceil(self.nodes / self.pp))
 
     def dp_group(self) -> Group:
         # Tensor-parallel ranks are neighbours in a node, so each data-parallel group holds
-        # ranks_per_node / tp ranks of every node, and tp such groups share each node's network.
-        return Group(ranks=self.dp, nodes=self.nodes, concurrent=self.tp)
+        # ranks_per_node / tp ranks of every node of its stage, and tp such groups share each node's network.
+        return Group(ranks=self.dp, nodes=self.stage_nodes, concurrent=self.tp)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its share of the blocks, and whether it holds the embedding
+    (``first``) and the final norm and output head (``last``)."""
+
+    index: int
+    blocks: int
+    first: bool
+    last: bool
 
 
 @dataclass(frozen=True)
@@ -461,6 +487,13 @@ class Workload:
     activation_checkpointing: bool = False
     masked_fraction: float = 0.15
     """RoBERTa's LM head runs at the masked positions only (distlm's --mask-prob default)."""
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    """Pipeline micro-batches each ``batch_size`` is split into (None: 2 x the pp degree)."""
+    pp_stages_per_rank: int | None = None
+    """Stages each rank runs (looped schedules); None: 1, or 2 for zbv."""
+    stage: Stage | None = None
+    """The pipeline stage a rank runs (set by ``project_pipeline``); None: the whole model."""
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -505,6 +538,14 @@ class Projection:
     activation_bytes_per_rank: float
     device_memory_bytes: float
     fits: bool
+    pp_degree: int = 1
+    pp_schedule: str | None = None
+    pp_microbatches: int = 1
+    pp_stages_per_rank: int = 1
+    pp_bubble_s: float = 0.0
+    """Idle pipeline slots of the update (its passes' bubbles)."""
+    pp_p2p_s: float = 0.0
+    """Point-to-point activation and gradient transfers on the slowest stage's critical path."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -560,11 +601,29 @@ def local_parameters(shape: ModelShape, tp: int) -> LocalParameters:
     )
 
 
+def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
+    """``local_parameters`` of the part of the model this rank runs: under pipeline
+    parallel, its stage's blocks, the embedding on the first stage and the final norm and
+    output on the last (a tied output keeps its own copy of the embedding there)."""
+    local = local_parameters(workload.shape, layout.tp)
+    stage = workload.stage
+    if stage is None:
+        return local
+    keeps_embedding = stage.first or (stage.last and workload.shape.tied_output)
+    return dataclasses.replace(
+        local,
+        embedding=local.embedding if keeps_embedding else 0.0,
+        head=local.head if stage.last else 0.0,
+        matmul_head=local.matmul_head if stage.last else 0.0,
+        matmul_embedding=local.matmul_embedding if stage.last else 0.0,
+    )
+
+
 def memory_per_rank(workload: Workload, layout: Layout) -> dict[str, float]:
     """Bytes per rank in parameters, gradients and Adam state (16 bytes a parameter in
     fp32, as distlm keeps them), sharded by strategy: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N,
     FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate."""
-    local = local_parameters(workload.shape, layout.tp).total
+    local = rank_parameters(workload, layout).total
     dp = layout.dp
     shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "fsdp": (dp, dp, dp)}[workload.strategy]
     params, grads, optimizer = 4 * local / shard[0], 4 * local / shard[1], 8 * local / shard[2]
@@ -597,7 +656,7 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
     else:
         blocks = s.n_layers * block
     vocab = s.vocab_size / tp if s.family == "llama" else s.vocab_size * workload.masked_fraction
-    logits = tokens * vocab * 4 * 2
+    logits = tokens * vocab * 4 * 2 if workload.stage is None or workload.stage.last else 0.0
     return blocks + logits
 
 
@@ -624,7 +683,7 @@ def micro_batch_segments(
     the embedding lookup's, is complete only when the embedding's backward is.
     """
     s, tp = workload.shape, layout.tp
-    local = local_parameters(s, tp)
+    local = rank_parameters(workload, layout)
     tokens = workload.tokens_per_micro_batch
     flops_rate = cluster.achieved_flops_per_rank(workload.precision) / compute_slowdown(layout, cluster)
     # Forward FLOPs per token: 2 per multiplied parameter, and 4 x heads x head size x T
@@ -661,7 +720,7 @@ def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> f
     sharded gradients, clipping adds an all-reduce of the squared norm. Parameters held as
     DTensors (FSDP, tensor parallel) add DTensor's dispatch for every tensor, however
     small its shard."""
-    local = local_parameters(workload.shape, layout.tp).total
+    local = rank_parameters(workload, layout).total
     updated = local if workload.strategy == "ddp" or layout.dp == 1 else local / layout.dp
     seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
     fsdp = workload.strategy == "fsdp" and layout.dp > 1
@@ -771,7 +830,7 @@ def fsdp_micro_batch(
     which the rank waits for, do not."""
     group = layout.dp_group()
     gather_bytes = 4 if workload.precision == "fp32" else 2
-    local = local_parameters(workload.shape, layout.tp)
+    local = rank_parameters(workload, layout)
     n = workload.shape.n_layers
     copy_rate = cluster.memory_bandwidth_Bps / memory_slowdown(layout, cluster)
     slowdown = collective_slowdown(layout, cluster)
@@ -832,11 +891,197 @@ def fsdp_micro_batch(
     return end, comm_total, copies
 
 
+# ------------------------------------------------------------------ pipeline parallel
+
+# Schedules whose ranks each run several stages (the looped, or interleaved, schedules).
+LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
+
+
+def pipeline_microbatches(workload: Workload, layout: Layout) -> int:
+    """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
+    return workload.pp_microbatches or 2 * layout.pp
+
+
+def stages_per_rank(workload: Workload) -> int:
+    """Stages each rank runs: 1 for GPipe and 1F1B, 2 for zbv's V shape, else as given."""
+    if workload.pp_stages_per_rank is not None:
+        return workload.pp_stages_per_rank
+    return 2 if workload.pp_schedule == "zbv" else 1
+
+
+def pipeline_stages(n_layers: int, pp: int, schedule: str) -> list[Stage]:
+    """Each rank's stage: the blocks split as evenly as they go (the first stages take one
+    more), the embedding on rank 0, the head on the last rank, or on rank 0 again for
+    zbv, whose V shape ends where it starts."""
+    base, extra = divmod(n_layers, pp)
+    last = 0 if schedule == "zbv" else pp - 1
+    return [Stage(index=i, blocks=base + (i < extra), first=i == 0, last=i == last) for i in range(pp)]
+
+
+def bubble_slots(pp: int, schedule: str, stages_per_rank: int) -> float:
+    """Idle slots of one pipeline pass, in units of one micro-batch's forward and backward on a stage.
+
+    GPipe and 1F1B fill and drain the pipeline: P-1 slots, so the bubble is (P-1)/(M+P-1)
+    of a pass of M micro-batches. Interleaving V stages per rank makes each slot V times
+    shorter: (P-1)/V (Narayanan et al. 2021). The zero-bubble schedules split backward into
+    its input and weight gradients and fill the bubble with the latter (Qi et al. 2023,
+    ZB-H1: (P-1)(T_F + T_B - T_W)); with backward twice the forward, split evenly, a third
+    of a slot each: (P-1)/(3V), an upper estimate for zbv (V = 2), whose ideal is zero.
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return pp - 1
+    if schedule == "interleaved-1f1b":
+        return (pp - 1) / stages_per_rank
+    return (pp - 1) / (3 * stages_per_rank)
+
+
+def inflight_microbatches(stage: Stage, pp: int, microbatches: int, schedule: str, stages_per_rank: int) -> float:
+    """Micro-batches whose activations ``stage`` holds at its peak, in units of its
+    activations for one micro-batch.
+
+    GPipe runs every forward first: M. 1F1B holds P - s on stage s (the first stage P),
+    as do the zero-bubble V schedule's ranks (P each). Interleaved schedules warm up with
+    2(P-s-1) + (V-1)P + 1 chunk forwards of 1/V of a stage each (Megatron's schedule;
+    P + (P-1)/V on the first rank).
+    """
+    p, m, v, s = pp, microbatches, stages_per_rank, stage.index
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - s)
+    if schedule == "zbv":
+        return min(m, p)
+    return min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1) / v
+
+
+def p2p_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """One transfer between neighbouring stages: a pipeline micro-batch's [b, T, dim]
+    activations (or their gradient) in the activation dtype, each tensor-parallel rank its
+    copy (its sequence shard under sequence parallel). Stages are blocks of consecutive
+    ranks, so a boundary crosses the network once there are several nodes, and then the
+    ranks of a node send across it at once, sharing its network."""
+    nbytes = workload.tokens_per_micro_batch * workload.shape.dim * workload.activation_bytes
+    if workload.sequence_parallel:
+        nbytes /= layout.tp
+    if layout.nodes == 1:
+        return cluster.intra.transfer_s(nbytes)
+    sending = min(layout.ranks_per_node, layout.world // layout.pp)
+    return group_link(Group(ranks=2, nodes=2, concurrent=sending), cluster).transfer_s(nbytes)
+
+
+def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
+    """Project one update under pipeline parallel: every stage projected on its own (a
+    pipeline micro-batch at a time, ``update_freq`` passes of M), then the passes set by the
+    slowest stage's slot, the bubble and the transfers; the memory of the rank that needs most."""
+    validate(workload, cluster, layout)
+    m, v, uf = pipeline_microbatches(workload, layout), stages_per_rank(workload), workload.update_freq
+    stages = pipeline_stages(workload.shape.n_layers, layout.pp, workload.pp_schedule)
+    staged = {
+        stage.index: dataclasses.replace(
+            workload, shape=dataclasses.replace(workload.shape, n_layers=stage.blocks),
+            batch_size=workload.batch_size // m, update_freq=uf * m, stage=stage,
+        )
+        for stage in stages
+    }
+    projected: dict[tuple, Projection] = {}  # stages alike but for their index project alike
+    for stage in stages:
+        key = (stage.blocks, stage.first, stage.last)
+        if key not in projected:
+            projected[key] = project(staged[stage.index], cluster, layout)
+    row_of = {stage.index: projected[stage.blocks, stage.first, stage.last] for stage in stages}
+    rows = list(projected.values())
+    slowest = max(rows, key=lambda row: row.compute_s + row.tp_comm_s)
+    p2p = p2p_seconds(staged[0], layout, cluster)
+    slot = (slowest.compute_s + slowest.tp_comm_s) / (uf * m) + 2 * p2p
+    bubble = uf * bubble_slots(layout.pp, workload.pp_schedule, v) * slot
+    # After the passes: the stage's optimizer step and whatever of its data-parallel
+    # communication backward did not hide; the pipeline waits for the slowest.
+    tail = max(row.step_time_s - row.compute_s - row.tp_comm_s for row in rows)
+    step = uf * m * slot + bubble + tail
+    # Memory: the rank whose stage state plus activations in flight need most.
+    held = {
+        stage.index: row_of[stage.index].activation_bytes_per_rank
+        * inflight_microbatches(stage, layout.pp, m, workload.pp_schedule, v)
+        for stage in stages
+    }
+    peak = max(stages, key=lambda stage: row_of[stage.index].memory_bytes_per_rank + held[stage.index])
+    heaviest, activations = row_of[peak.index], held[peak.index]
+    optimizer = max(row.optimizer_s for row in rows)
+    samples = workload.batch_size * uf * layout.dp
+    tokens_per_s = samples * workload.tokens_per_sample / step
+    flops = flops_per_token(workload.shape, workload.tokens_per_sample)
+    # A stage row's ideal is its compute and optimizer with no data-parallel communication;
+    # the pipeline's is its slowest stage's, with no bubble and no transfers.
+    ideal = max(row.efficiency * row.step_time_s for row in rows)
+    return dataclasses.replace(
+        slowest,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        samples_per_s=samples / step,
+        global_batch_size=samples,
+        update_freq=uf,
+        efficiency=ideal / step,
+        mfu=tokens_per_s * flops / (cluster.peak_flops_per_rank(dtype_name(workload.precision)) * layout.world),
+        dp_comm_s=max(row.dp_comm_s for row in rows),
+        fsdp_copy_s=max(row.fsdp_copy_s for row in rows),
+        comm_exposed_s=max(0.0, step - uf * m * (slot - 2 * p2p) - bubble - optimizer),
+        optimizer_s=optimizer,
+        param_bytes=heaviest.param_bytes,
+        grad_bytes=heaviest.grad_bytes,
+        optimizer_bytes=heaviest.optimizer_bytes,
+        memory_bytes_per_rank=heaviest.memory_bytes_per_rank,
+        activation_bytes_per_rank=activations,
+        fits=heaviest.memory_bytes_per_rank + activations <= cluster.memory_bytes_per_rank,
+        pp_degree=layout.pp,
+        pp_schedule=workload.pp_schedule,
+        pp_microbatches=m,
+        pp_stages_per_rank=v,
+        pp_bubble_s=bubble,
+        pp_p2p_s=uf * m * 2 * p2p,
+    )
+
+
+def validate_pipeline(workload: Workload, layout: Layout) -> None:
+    """Refuse the pipeline layouts distlm.train refuses (one line each)."""
+    if layout.pp < 1:
+        raise UsageError(f"--pp-degree must be at least 1, got {layout.pp}")
+    if layout.world % (layout.tp * layout.pp):
+        raise UsageError(
+            f"--pp-degree {layout.pp} x --tp-degree {layout.tp} does not divide the world size {layout.world}; "
+            "choose degrees whose product divides it"
+        )
+    if layout.pp == 1 or workload.stage is not None:  # a stage's own projection: checked for the whole
+        return
+    if workload.pp_schedule not in PP_SCHEDULES:
+        raise UsageError(f"--pp-schedule {workload.pp_schedule} is unknown; choose one of {', '.join(PP_SCHEDULES)}")
+    v, m = stages_per_rank(workload), pipeline_microbatches(workload, layout)
+    looped = workload.pp_schedule in LOOPED_SCHEDULES
+    if looped and v < 2:
+        raise UsageError(f"--pp-schedule {workload.pp_schedule} runs several stages per rank; "
+                         "set --pp-stages-per-rank 2 or more")
+    if not looped and v != 1:
+        raise UsageError(f"--pp-stages-per-rank {v} needs a looped schedule "
+                         f"({', '.join(LOOPED_SCHEDULES)}); --pp-schedule {workload.pp_schedule} runs one stage per rank")
+    if workload.pp_schedule == "zbv" and v != 2:
+        raise UsageError(f"--pp-schedule zbv runs 2 stages per rank in a V; drop --pp-stages-per-rank {v}")
+    blocks = workload.shape.n_layers
+    if layout.pp * v > blocks:
+        raise UsageError(f"--pp-degree {layout.pp} x {v} stages per rank exceeds the model's {blocks} blocks; "
+                         "lower --pp-degree")
+    if m < layout.pp:
+        raise UsageError(f"--pp-microbatches {m} is below --pp-degree {layout.pp}; the pipeline would never fill")
+    if workload.batch_size % m:
+        raise UsageError(f"--batch-size {workload.batch_size} does not split into --pp-microbatches {m}; "
+                         "make it a multiple")
+
+
 # ------------------------------------------------------------------------ projection
 
 
 def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     """Project one update of ``workload`` on ``layout`` over ``cluster``."""
+    if layout.pp > 1 and workload.stage is None:
+        return project_pipeline(workload, cluster, layout)
     validate(workload, cluster, layout)
     workload = dataclasses.replace(workload, precision=dtype_name(workload.precision))
     forward, backward, tp_per_micro = micro_batch_segments(workload, layout, cluster)
@@ -867,7 +1112,7 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
         exposed_buckets = exposed_ddp_seconds(buckets, backward_seconds, period) if overlap else comm_total
         step = uf * micro + optimizer + exposed_buckets
         if workload.strategy == "zero1" and dp_enabled:
-            local = local_parameters(workload.shape, layout.tp).total
+            local = rank_parameters(workload, layout).total
             sync = collective_time("all_gather", 4 * local, layout.dp_group(), cluster)
             comm_total += sync
             step += sync
@@ -882,7 +1127,7 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     exposed = max(0.0, step - uf * micro - optimizer)  # clamps float noise when nothing is exposed
     # One replica alone (no data-parallel communication, nothing sharded, no other
     # replica sharing its cores) sets the ideal.
-    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp)
+    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp * layout.pp)
     single_forward, single_backward, _ = micro_batch_segments(workload, single, cluster)
     single_micro = sum(segment.seconds for segment in single_forward + single_backward)
     ideal_step = uf * single_micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
@@ -972,9 +1217,10 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
         )
     if workload.sequence_parallel and layout.tp == 1:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
+    validate_pipeline(workload, layout)
 
 
-def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int) -> list[Layout]:
+def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int, pp: int = 1) -> list[Layout]:
     """One layout per node count, or per total rank count (a count below one node's ranks
     is one partly used node)."""
     if nodes is not None and ranks is not None:
@@ -984,17 +1230,17 @@ def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, 
         for count in nodes or [1]:
             if count < 1:
                 raise UsageError(f"--nodes must be at least 1, got {count}")
-        return [Layout(count, rpn, tp) for count in (nodes or [1])]
+        return [Layout(count, rpn, tp, pp) for count in (nodes or [1])]
     result = []
     for count in ranks:
         if count < 1:
             raise UsageError(f"--ranks must be at least 1, got {count}")
         if count <= rpn:
-            result.append(Layout(1, count, tp))
+            result.append(Layout(1, count, tp, pp))
         elif count % rpn:
             raise UsageError(f"--ranks {count} is not a whole number of {rpn}-rank nodes of {cluster.name}")
         else:
-            result.append(Layout(count // rpn, rpn, tp))
+            result.append(Layout(count // rpn, rpn, tp, pp))
     return result
 
 
