@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from distlm.errors import OneLineErrorParser
-from distlm.errors import UsageError, report_usage_error
+from distlm.errors import OneLineErrorParser, UsageError, report_usage_error
 
 # (file, title, y label, [(series, key)], y log scale)
 PLOTS = (
