@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from distlm.checkpoint.directory import fsync_dir, fsync_tree
 from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
@@ -84,8 +85,9 @@ def staged_directory(out: Path, flag: str, source: dict[str, Any]) -> Iterator[P
     try:
         yield stage
         (stage / MARKER).write_text(json.dumps(source, indent=2, sort_keys=True) + "\n")
-        _sync_tree(stage)
+        fsync_tree(stage)  # the exchange must never expose unwritten data
         _replace_directory(stage, out)
+        fsync_dir(out.parent)
     except OSError as err:
         raise UsageError(f"{flag} {out}: cannot write ({err.strerror or err})") from None
     finally:
@@ -108,18 +110,6 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _sync_tree(directory: Path) -> None:
-    """Flush the stage's files and entries, so the exchange never exposes unwritten data."""
-    for path in directory.iterdir():
-        with open(path, "rb") as file:
-            os.fsync(file.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_directory(stage: Path, out: Path) -> None:
