@@ -73,6 +73,9 @@ def read_log(path: Path) -> RunLog:
         raise UsageError(f"{path}: no train or valid records (a distlm JSON log, or fairseq-train --log-format json)")
     if fairseq_seen:
         run.source = "fairseq"
+    # A resumed run logs again the updates after its checkpoint: its points replace the earlier ones.
+    run.train = sorted({p["update"]: p for p in run.train}.values(), key=lambda p: p["update"])
+    run.valid = sorted({(p["subset"], p["update"]): p for p in run.valid}.values(), key=lambda p: p["update"])
     _add_tokens(run)
     return run
 

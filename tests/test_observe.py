@@ -250,6 +250,12 @@ def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path):
     for picture in pictures:
         assert imread(picture).ndim == 3  # decodes to an RGB(A) image
     page = (out / "index.html").read_text()
+    # The resumed run's updates 3 and 4 replace the first run's in the picture's points.
+    from distlm.report import read_log
+
+    lines = last_train_lines(json_lines((observed_run["root"] / "train.log").read_text()))
+    drawn = read_log(observed_run["root"] / "train.log").train
+    assert [(p["update"], p["loss"]) for p in drawn] == [(u, lines[u]["loss"]) for u in range(1, 7)]
     assert all(f'src="{p.name}"' in page for p in pictures)
     assert "fairseq" in page and "distlm" in page
 
@@ -337,4 +343,13 @@ def test_bad_profile_window_is_one_line_before_training(window, tmp_path, capsys
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"distlm: error: --profile-steps takes A:B, the first and last update to record (1 <= A <= B), got {window!r}"]
+    assert not (tmp_path / "ck").exists()
+
+
+def test_unwritable_log_file_is_one_line_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    log = tmp_path / "file" / "train.log"  # under a regular file: no directory can be made
+    assert main(["--arch", "roberta_tiny", "--log-file", str(log), "--save-dir", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"distlm: error: --log-file {log}: cannot append to it")
     assert not (tmp_path / "ck").exists()

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from distlm.config import TrainConfig
 from distlm.distributed import DistContext
+from distlm.errors import UsageError, rank_from_environment
 from distlm.metrics import Printer, strict_json
 from distlm.observe.profiler import ProfileWindow, parse_profile_steps
 from distlm.observe.stragglers import StepTiming
@@ -34,6 +35,13 @@ def check_observe_settings(config: TrainConfig) -> None:
     check_tracker_packages(config.logging)
     if config.logging.profile_steps is not None:
         parse_profile_steps(config.logging.profile_steps)
+    if config.logging.log_file is not None and rank_from_environment() == 0:  # rank 0 writes it
+        path = Path(config.logging.log_file)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.open("a").close()
+        except OSError as err:
+            raise UsageError(f"--log-file {path}: cannot append to it ({err.strerror})") from None
 
 
 class Observer:
@@ -65,7 +73,6 @@ class Observer:
             self.saved_ids.update(self.trackers.run_ids())
             if self.config.logging.log_file is not None:
                 self.log_file = Path(self.config.logging.log_file)
-                self.log_file.parent.mkdir(parents=True, exist_ok=True)
         return self
 
     # ------------------------------------------------------------ the printer's calls
