@@ -8,6 +8,7 @@ every assertion about results.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import get_type_hints
 import pytest
 from safetensors.torch import load_file
 
+import distlm
 from distlm.config import DistributedConfig
 from distlm.parity.__main__ import main
 from distlm.parity.compare import tolerance_for
@@ -114,3 +116,17 @@ def test_a_pipeline_layout_needs_the_pipeline_flag(tmp_path, capsys):
     assert main(["--layouts", "pp=2", "--steps", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "no pipeline parallelism (--pp-degree)" in err and "\n" not in err
+
+
+def test_the_training_core_never_imports_the_parity_tool():
+    package = Path(distlm.__file__).parent
+    importers = []
+    for path in package.rglob("*.py"):
+        if path.is_relative_to(package / "parity"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if any(name == "distlm.parity" or name.startswith("distlm.parity.") for name in names):
+                importers.append(str(path.relative_to(package)))
+    assert not importers

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from distlm.config import OneLineErrorParser, parse_args as parse_train_args, whole_number_list
+from distlm.config import OneLineErrorParser, parse_args as parse_train_args
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
 from distlm.parity import compare
 from distlm.parity.layouts import Layout, check_layout, parse_layout
-from distlm.parity.worker import ERROR_PREFIX, main as run_worker_here
+from distlm.parity.worker import ERROR_PREFIX, main as run_worker_here, model_builder
 
 REFERENCE = "reference"
 # Environment variables of launchers, removed for the reference's own process.
@@ -49,7 +49,7 @@ def build_parser() -> OneLineErrorParser:
                                 description="Compare layouts against one process, update by update.")
     parser.add_argument("--layouts", nargs="+", required=True, metavar="LAYOUT",
                         help='layouts as key=value lists, e.g. "strategy=fsdp,dp=2" "tp=2,sequence_parallel=true"')
-    parser.add_argument("--steps", type=whole_number_list("--steps"), default=[2], help="updates to compare (default 2)")
+    parser.add_argument("--steps", type=int, default=2, help="updates to compare (default 2)")
     parser.add_argument("--out", required=True, help="directory for parity.json, parity.md and the recordings")
     parser.add_argument("--activations", action="store_true",
                         help="also compare every top-level module's and block's output and input gradient")
@@ -61,9 +61,8 @@ def build_parser() -> OneLineErrorParser:
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The tool's own options, and distlm.train's flags for every run."""
     args, train_flags = build_parser().parse_known_args(list(argv))
-    if len(args.steps) != 1:
-        raise UsageError(f"--steps takes one number, got {','.join(map(str, args.steps))}")
-    args.steps = args.steps[0]
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
     for flag in ("--max-update", "--save-dir", "--restore-file", "--num-workers", "--double-buffering"):
         if any(item == flag or item.startswith(flag + "=") for item in train_flags):
             raise UsageError(f"{flag} is set by the parity run itself (or is a layout key); drop it")
@@ -81,11 +80,13 @@ def run_flags(train_flags: list[str], steps: int) -> list[str]:
 
 
 def reference_flags(flags: list[str], layout: Layout) -> list[str]:
-    """One process on the layout's global batch: U x dp micro-batches of --batch-size."""
+    """One process in the layout's precision on its global batch: U x dp micro-batches
+    of its --batch-size."""
     config = parse_train_args(flags + layout.flags)
     dp = layout.world_size // (config.distributed.tp_degree * getattr(config.distributed, "pp_degree", 1))
     stale = ["--double-buffering"] if config.distributed.double_buffering and dp > 1 else []
-    return flags + ["--update-freq", str(config.data.update_freq * dp), *stale]
+    return [*flags, *layout.precision_flags, "--batch-size", str(config.data.batch_size),
+            "--update-freq", str(config.data.update_freq * dp), *stale]
 
 
 def layout_config(flags: list[str], layout: Layout):
@@ -166,15 +167,15 @@ def verdicts(args: argparse.Namespace, flags: list[str], directories: dict[str, 
         config = layout_config(flags, layout)
         tolerance = compare.tolerance_for(config.precision_mode, config.distributed.comm_hook)
         rows = compare.compare_run(directories[f"ref:{layout.name}"], directories[layout.name], args.steps,
-                                   args.activations)
-        where = compare.first_divergence(rows, tolerance.value)
+                                   args.activations, tolerance)
+        where = compare.first_divergence(rows, tolerance)
         stale = " (against a reference whose every update applies the previous update's gradients, as double " \
                 "buffering does)" if config.distributed.double_buffering else ""
         verdict = (f"{layout.text}: equal to one process for {args.steps} updates within {tolerance.describe()}{stale}"
                    if where is None else
                    f"{layout.text}: differs from one process at {where}, beyond {tolerance.describe()}{stale}")
         results.append({"layout": layout.text, "world_size": layout.world_size, "flags": layout.flags,
-                        "tolerance": tolerance.value, "tolerance_reason": tolerance.reason,
+                        "tolerance": tolerance.value, "tolerance_reason": tolerance.describe(),
                         "equal": where is None, "first_difference": where, "verdict": verdict,
                         "steps": [row.__dict__ for row in rows]})
     return {"steps": args.steps, "run_flags": flags, "model": args.model, "activations": args.activations,
@@ -191,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
         flags = run_flags(train_flags, args.steps)
+        parse_train_args(flags)
+        if args.model:
+            model_builder(args.model)
         for layout in args.layouts:
             check_layout(layout, flags)
         env = ClusterEnv.detect()

@@ -21,6 +21,7 @@ from distlm.errors import UsageError
 _DEGREES = {"dp": "dp_degree", "tp": "tp_degree", "pp": "pp_degree"}
 _SECTIONS = (DistributedConfig, PrecisionConfig, CompileConfig)
 _DATA_KEYS = ("batch_size", "update_freq")
+_PRECISION_KEYS = {f.name for f in dataclasses.fields(PrecisionConfig)}
 # Set by the parity run itself, never by a layout.
 _NOT_LAYOUT = {"distributed_world_size", "distributed_rank", "distributed_init_method", "device", "cpu",
                "timeout_sec", "precompile", "compile_cache"}
@@ -45,6 +46,8 @@ class Layout:
     """distlm.train flags the layout adds to the run's."""
     world_size: int
     """Processes it runs on."""
+    precision_flags: list[str] = dataclasses.field(default_factory=list)
+    """The part of ``flags`` that sets the precision, which the layout's reference shares."""
 
     @property
     def name(self) -> str:
@@ -59,6 +62,7 @@ def parse_layout(text: str) -> Layout:
     """``"key=value,key=value"`` as a Layout; UsageError naming the layout and key when wrong."""
     fields = _layout_fields()
     flags: list[str] = []
+    precision_flags: list[str] = []
     degrees = {"dp": None, "tp": 1, "pp": 1}
     world = None
     seen = set()
@@ -84,8 +88,11 @@ def parse_layout(text: str) -> Layout:
             if value not in PRECISIONS:
                 raise UsageError(f"layout {text!r}: precision={value} is not one of: {', '.join(PRECISIONS)}")
             flags += _PRECISION_FLAGS[value]
+            precision_flags += _PRECISION_FLAGS[value]
         elif key in fields:
             flags += _flag(fields[key], key, value)
+            if key in _PRECISION_KEYS:
+                precision_flags += _flag(fields[key], key, value)
         else:
             known = ", ".join(["dp", "tp", "pp", "world", "precision", *sorted(fields)])
             raise UsageError(f"layout {text!r}: unknown key {key!r}; keys are {known}")
@@ -98,7 +105,7 @@ def parse_layout(text: str) -> Layout:
         raise UsageError(f"layout {text!r}: dp x tp x pp = {degrees['dp'] * model_parallel}, not world={world}")
     elif world % model_parallel:
         raise UsageError(f"layout {text!r}: world={world} is not a multiple of tp x pp = {model_parallel}")
-    return Layout(text, flags, world)
+    return Layout(text, flags, world, precision_flags)
 
 
 def _whole_number(text: str, key: str, value: str) -> int:

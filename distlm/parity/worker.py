@@ -46,6 +46,17 @@ name) before update STEP, as a broken layout would."""
 
 def load_user_model(target: str, config: TrainConfig) -> nn.Module:
     """``package.module:function``'s model; the function takes no argument or the TrainConfig."""
+    build = model_builder(target)
+    # Every process must build the same weights.
+    torch.manual_seed(config.seed)
+    model = build(config) if inspect.signature(build).parameters else build()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {target}: it returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def model_builder(target: str) -> Callable:
+    """The function ``package.module:function`` names; UsageError naming what is wrong."""
     module_name, sep, function_name = target.partition(":")
     if not sep or not module_name or not function_name:
         raise UsageError(f"--model {target}: write package.module:function")
@@ -56,12 +67,7 @@ def load_user_model(target: str, config: TrainConfig) -> nn.Module:
     build = getattr(module, function_name, None)
     if not callable(build):
         raise UsageError(f"--model {target}: {module_name} has no function {function_name}")
-    # Every process must build the same weights.
-    torch.manual_seed(config.seed)
-    model = build(config) if inspect.signature(build).parameters else build()
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"--model {target}: {function_name}() returned a {type(model).__name__}, not an nn.Module")
-    return model
+    return build
 
 
 class ParityTrainer(Trainer):
