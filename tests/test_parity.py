@@ -68,7 +68,7 @@ def test_layouts_known_to_equal_one_process_are_reported_equal(parity):
         assert [row["step"] for row in steps] == [0, 1, 2]
         # Every parameter, and each block's output and input gradient, was compared.
         assert {"layers.0.attention.wq.weight", "tok_embeddings.weight"} <= set(steps[2]["parameters"])
-        assert {"output|layers.0", "output|layers.1", "input_grad|layers.0", "input_grad|layers.1"} <= set(
+        assert {"output:layers.0", "output:layers.1", "input_grad:layers.0", "input_grad:layers.1"} <= set(
             steps[1]["activations"])
     # The comparison resolves training: two updates (of a warming-up learning rate) moved
     # the reference's weights beyond the tolerance, and 10x beyond any layout's difference.
@@ -91,7 +91,7 @@ def test_a_broken_layout_is_named_at_its_step_and_module(parity):
     assert "beyond" in broken["verdict"] and "relative" in broken["verdict"]
     step1 = broken["steps"][1]
     assert max(step1["activations"].values()) <= broken["tolerance"]
-    assert broken["steps"][2]["activations"]["output|layers.0"] <= broken["tolerance"]
+    assert broken["steps"][2]["activations"]["output:layers.0"] <= broken["tolerance"]
     table = (out / "parity.md").read_text()
     assert all(f"| {text} | 2 |" in table for text in [*EQUAL, BROKEN])
 

@@ -90,7 +90,7 @@ class StepComparison:
     parameter_slack: dict[str, float] = field(default_factory=dict)
     """Parameter -> the learning-rate slack of the tolerance, relative to its magnitude."""
     activations: dict[str, float] = field(default_factory=dict)
-    """``output|MODULE`` / ``input_grad|MODULE`` -> largest relative difference over the micro-batches."""
+    """``output:MODULE`` / ``input_grad:MODULE`` -> largest relative difference over the micro-batches."""
 
 
 def read_steps(directory: Path) -> list[dict[str, Any]]:
@@ -123,7 +123,7 @@ def merged_activations(directory: Path, step: int, reference: dict[str, torch.Te
         expected = reference.get(key)
         if key in dims and len(pieces) > 1:
             merged[key] = torch.cat(pieces, dim=dims[key])
-        elif key.startswith("input_grad|") and len(pieces) > 1 and all(
+        elif key.startswith("input_grad:") and len(pieces) > 1 and all(
                 p.shape == expected.shape for p in pieces) and any(not torch.equal(p, pieces[0]) for p in pieces):
             merged[key] = torch.stack(pieces).sum(0)
         elif expected is None or pieces[0].shape == expected.shape or len(pieces) == 1:
@@ -153,17 +153,17 @@ def load_activations(directory: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def forward_order(keys: list[str]) -> list[str]:
-    """``output|M`` and ``input_grad|M`` names in the order the reference recorded them,
+    """``output:M`` and ``input_grad:M`` names in the order the reference recorded them,
     outputs first (each module's in forward order), then input gradients in the same
     module order."""
     modules: list[str] = []
     for key in keys:
-        module = key.split("|")[1]
+        module = key.split(":")[1]
         if module not in modules:
             modules.append(module)
     kinds = ("output", "input_grad")
-    present = {"|".join(key.split("|")[:2]) for key in keys}
-    return [f"{kind}|{module}" for kind in kinds for module in modules if f"{kind}|{module}" in present]
+    present = {":".join(key.split(":")[:2]) for key in keys}
+    return [f"{kind}:{module}" for kind in kinds for module in modules if f"{kind}:{module}" in present]
 
 
 def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
@@ -192,7 +192,7 @@ def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
             expected = load_activations(reference, step)
             actual = merged_activations(layout, step, expected)
             for key, tensor in expected.items():
-                name = "|".join(key.split("|")[:2])
+                name = ":".join(key.split(":")[:2])
                 diff = relative_difference(actual[key], tensor) if key in actual else float("inf")
                 row.activations[name] = max(row.activations.get(name, 0.0), diff)
             row.activations = {name: row.activations[name] for name in forward_order(list(expected))}
@@ -207,7 +207,7 @@ def first_divergence(rows: list[StepComparison], tolerance: Tolerance) -> str | 
     for row in rows:
         for key, diff in row.activations.items():
             if diff > tolerance.value:
-                kind, module = key.split("|")
+                kind, module = key.split(":")
                 what = "forward output" if kind == "output" else "input gradient"
                 return f"step {row.step}: {what} of {module} differs by {diff:.2e}"
         for what, diff in (("loss", row.loss_difference), ("gradient norm", row.gnorm_difference)):
@@ -228,18 +228,20 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         for row in result["steps"]:
             if row["step"] == 0:
                 continue
-            param, param_diff = _largest(row["parameters"])
-            act, act_diff = _largest(row["activations"])
             lines.append(
                 f"| {result['layout']} | {row['step']} | {row['loss']:.6f} | {row['gnorm']:.6f} "
-                f"| {row['loss_difference']:.1e} | {row['gnorm_difference']:.1e} | {param_diff:.1e} ({param}) "
-                f"| {f'{act_diff:.1e} ({act})' if act else '-'} |"
+                f"| {_number(row['loss_difference'])} | {_number(row['gnorm_difference'])} | {_largest(row['parameters'])} "
+                f"| {_largest(row['activations']) if row['activations'] else '-'} |"
             )
     return "\n".join(lines) + "\n"
 
 
-def _largest(table: dict[str, float]) -> tuple[str | None, float]:
-    if not table:
-        return None, 0.0
-    name = max(table, key=table.__getitem__)
-    return name, table[name]
+def _largest(table: dict[str, float]) -> str:
+    """The largest difference and where, e.g. ``9.3e-06 (layers.1.attention.wo.weight)``; ``0`` for none."""
+    name = max(table, key=table.__getitem__, default=None)
+    return f"{_number(table[name])} ({name.replace(':', ' of ').replace('input_grad', 'input gradient')})" if (
+        name is not None and table[name] > 0) else "0"
+
+
+def _number(value: float) -> str:
+    return f"{value:.1e}" if value else "0"

@@ -211,7 +211,7 @@ class ActivationRecorder:
         self.micro += 1
 
     def _store(self, kind: str, name: str, tensor: torch.Tensor) -> None:
-        key = f"{kind}|{name}|{self.micro}"
+        key = f"{kind}:{name}:{self.micro}"
         if isinstance(tensor, DTensor):
             shard = next((p.dim for p in tensor.placements if isinstance(p, Shard)), None)
             if shard is not None:
