@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -126,7 +127,9 @@ class ParityTrainer(Trainer):
                                 "order": json.dumps(list(tensors))})
         self.write_parameters(self.calls)
         if self.ctx.is_main:
-            line = {"step": self.calls, "loss": float(totals[0] / totals[1].clamp(min=1)), "gnorm": record["gnorm"],
+            # In bits per target token, as distlm.train logs it.
+            loss = float(totals[0] / totals[1].clamp(min=1)) / math.log(2)
+            line = {"step": self.calls, "loss": loss, "gnorm": record["gnorm"],
                     "applied": record["applied"], "lr": record["lr"]}
             with open(self.out / "steps.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
