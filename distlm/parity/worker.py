@@ -116,7 +116,8 @@ class ParityTrainer(Trainer):
                     (param.to_local() if isinstance(param, DTensor) else param).add_(delta)
 
     def write_step(self, record: dict[str, Any]) -> None:
-        totals = torch.tensor([float(record["loss_sum"]), float(record["target_tokens"])], dtype=torch.float64)
+        totals = torch.tensor([float(record["loss_sum"]), float(record["target_tokens"])], dtype=torch.float64,
+                              device=self.ctx.device)
         if self.ctx.dp_group is not None:
             dist.all_reduce(totals, group=self.ctx.dp_group)
         if self.recorder is not None:
