@@ -108,6 +108,15 @@ def test_bad_input_is_one_line_and_exit_status_2(layout, message, tmp_path, caps
     assert message in err and "\n" not in err and layout in err
 
 
+def test_an_out_path_that_is_a_file_is_one_line_and_exit_status_2(tmp_path, capsys):
+    target = tmp_path / "parity.txt"
+    target.write_text("keep me")
+    assert main(["--layouts", "strategy=ddp,dp=2", "--steps", "1", "--out", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {target} is a file" in err and "\n" not in err
+    assert target.read_text() == "keep me"
+
+
 def test_a_pipeline_layout_needs_the_pipeline_flag(tmp_path, capsys):
     if "pp_degree" in get_type_hints(DistributedConfig):
         layout = parse_layout("pp=2")

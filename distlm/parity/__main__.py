@@ -204,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"inside a launch of {env.world_size} ranks every layout runs on them; "
                                  f"{', '.join(wrong)} need{'s' if len(wrong) == 1 else ''} another world size")
         out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file; give a directory for the recordings and parity.json")
         if rank == 0:
             # Recordings of an earlier run (another world size's rank files) must not be merged.
             for stale in [*out.glob(f"{REFERENCE}*"), *(out / layout.name for layout in args.layouts)]:
@@ -212,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         directories = run_all(args, flags, env)
     except UsageError as exc:
         return report_usage_error(ERROR_PREFIX, exc, rank)
+    except RuntimeError as exc:
+        # A run that failed for another reason: its log is named, the verdict cannot be given.
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+        return 1
     if rank != 0:
         return 0
     report = verdicts(args, flags, directories)
