@@ -35,7 +35,7 @@ from distlm.errors import UsageError, rank_from_environment, report_usage_error
 from distlm.models.contract import model_blocks
 from distlm.parallel.full_state import full_state_dict
 from distlm.parallel.names import parameter_names, single_device_name, unwrap
-from distlm.train import exit_without_teardown
+from distlm.errors import exit_without_teardown
 from distlm.trainer import Trainer
 
 ERROR_PREFIX = "distlm.parity: error: "
