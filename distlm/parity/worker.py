@@ -31,11 +31,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from distlm.config import TrainConfig, parse_args
 from distlm.distributed import shutdown
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
+from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.models.contract import model_blocks
 from distlm.parallel.full_state import full_state_dict
 from distlm.parallel.names import parameter_names, single_device_name, unwrap
-from distlm.errors import exit_without_teardown
 from distlm.trainer import Trainer
 
 ERROR_PREFIX = "distlm.parity: error: "
