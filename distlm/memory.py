@@ -36,6 +36,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     }
 
 
+ZERO_STAGES: dict[str, int] = {"ddp": 0, "zero1": 1, "fsdp": 3}
+"""Each data-parallel strategy (choices.STRATEGIES) as the ZeRO stage whose memory it has."""
+
+
 def zero_formula_bytes(num_params: int, dp: int, stage: int, optimizer_bytes_per_param: int = 8) -> dict[str, float]:
     """The ZeRO paper's per-rank bytes with fp32 weights and gradients (4 + 4 bytes) and
     Adam's two fp32 moments (8 bytes) for ``num_params`` (Ψ) parameters over ``dp`` ranks.

@@ -17,10 +17,9 @@ from typing import Callable, Iterator
 import torch
 
 from distlm.errors import UsageError
-from distlm.memory import zero_formula_bytes
+from distlm.memory import ZERO_STAGES, zero_formula_bytes
 
 _MARKERS = ("can't allocate memory", "out of memory", "failed to allocate")
-_ZERO_STAGE = {"ddp": 0, "zero1": 1, "fsdp": 3}
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -55,7 +54,7 @@ STEP_REMEDY = ("lower --batch-size (and raise --update-freq to keep the global b
 
 def describe_state_need(num_params: int, strategy: str, dp: int, tp: int) -> str:
     """The per-rank bytes of fp32 weights, gradients and Adam state (the ZeRO paper's formulas), in words."""
-    need = zero_formula_bytes(max(1, num_params // tp), dp, _ZERO_STAGE.get(strategy, 0))["total_bytes"]
+    need = zero_formula_bytes(max(1, num_params // tp), dp, ZERO_STAGES.get(strategy, 0))["total_bytes"]
     return (f"the model's {num_params:,} parameters need about {format_bytes(need)} per rank for fp32 weights, "
             f"gradients and Adam state under --strategy {strategy} (dp {dp} x tp {tp})")
 

@@ -66,6 +66,11 @@ MODE_DTYPES: dict[str, ModeDtypes] = {
 """Precision mode (each of ``choices.PRECISIONS``) -> its dtypes; everything else derives from it."""
 
 
+def precision_flags(mode: str) -> list[str]:
+    """The command-line flags that select ``mode`` (fp32 is the default and needs none)."""
+    return [] if mode == "fp32" else ["--" + mode.replace("_", "-")]
+
+
 def computes_in_fp16(mode: str) -> bool:
     """The modes whose arithmetic is fp16: they scale the loss (small fp16 gradients flush
     to zero), and devices without fast fp16 refuse them."""

@@ -51,6 +51,8 @@ _TABLES = {
     "distlm/backends/registry.py": {"BACKENDS"},
     "distlm/precision.py": {"DTYPES", "MODE_DTYPES"},
     "distlm/backends/hardware.py": {"PEAK_TFLOPS"},
+    "distlm/config.py": {"ROPE_SCALING_TYPES"},
+    "distlm/memory.py": {"ZERO_STAGES"},
 }
 
 

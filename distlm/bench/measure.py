@@ -34,7 +34,7 @@ from distlm.errors import UsageError
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
 from distlm.parallel.names import unwrap
-from distlm.precision import dtype_name
+from distlm.precision import dtype_name, precision_flags
 from distlm.trainer import Trainer
 
 # The suite drives a fixed number of updates and never stops on its own, validates or logs.
@@ -86,7 +86,7 @@ class LaunchSpec:
         ]
         flags += ["--data", self.data] if self.data is not None else []
         flags += ["--pp-degree", str(self.pp_degree)] if self.pp_degree > 1 else []
-        return flags + ([] if self.precision == "fp32" else [f"--{self.precision}"])
+        return flags + precision_flags(self.precision)
 
     def trainer_config(self, strategy: str) -> TrainConfig:
         """The parsed and checked config of ``trainer_flags``."""

@@ -38,11 +38,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-EPSILON = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-           "fp16": torch.finfo(torch.float16).eps}
-UNITS = {"fp32": 2048, "bf16": 8, "fp16": 8}
-"""Units of the least precise dtype of a layout's arithmetic its results may differ by."""
-_HOOK_DTYPE = {"fp16": "fp16", "hierarchical-fp16": "fp16", "bf16": "bf16"}
+from distlm.precision import DTYPES, MODE_DTYPES
+
+EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+
+
+def units(dtype_name: str) -> int:
+    """Units of the least precise dtype of a layout's arithmetic its results may differ by."""
+    return 2048 if dtype_name == "fp32" else 8
+
+
+def hook_dtype(comm_hook: str) -> str | None:
+    """The half type a comm hook sends gradients in (the flat fp16/bf16 hooks and the
+    hierarchical-fp16 one); None for a full-precision hook."""
+    return next((name for name in DTYPES if name != "fp32" and comm_hook.endswith(name)), None)
 
 
 @dataclass
@@ -60,14 +69,14 @@ class Tolerance:
 
 def tolerance_for(precision: str, comm_hook: str) -> Tolerance:
     """The tolerance of a layout computing in ``precision`` and reducing with ``comm_hook``."""
-    precision = "fp16" if precision == "memory_efficient_fp16" else precision
-    dtypes = [precision]
-    if comm_hook in _HOOK_DTYPE:
-        dtypes.append(_HOOK_DTYPE[comm_hook])
+    dtypes = [MODE_DTYPES[precision].compute]
+    wire = hook_dtype(comm_hook)
+    if wire is not None:
+        dtypes.append(wire)
     coarsest = max(dtypes, key=EPSILON.__getitem__)
-    because = f"{precision} arithmetic" + (f", {comm_hook} gradient all-reduce" if comm_hook in _HOOK_DTYPE else "")
-    reason = f"{UNITS[coarsest]} x {coarsest} epsilon: {because}, another reduction order"
-    return Tolerance(UNITS[coarsest] * EPSILON[coarsest], reason, 2.0 if comm_hook in _HOOK_DTYPE else 0.25)
+    because = f"{dtypes[0]} arithmetic" + (f", {comm_hook} gradient all-reduce" if wire else "")
+    reason = f"{units(coarsest)} x {coarsest} epsilon: {because}, another reduction order"
+    return Tolerance(units(coarsest) * EPSILON[coarsest], reason, 2.0 if wire else 0.25)
 
 
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:

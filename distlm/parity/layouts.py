@@ -16,6 +16,7 @@ from typing import get_type_hints
 from distlm.choices import PRECISIONS
 from distlm.config import CompileConfig, DataConfig, DistributedConfig, PrecisionConfig, parse_args
 from distlm.errors import UsageError
+from distlm.precision import precision_flags as precision_flags_of
 
 # Short names of the degrees; "world" is the number of processes when dp is left to it.
 _DEGREES = {"dp": "dp_degree", "tp": "tp_degree", "pp": "pp_degree"}
@@ -25,7 +26,6 @@ _PRECISION_KEYS = {f.name for f in dataclasses.fields(PrecisionConfig)}
 # Set by the parity run itself, never by a layout.
 _NOT_LAYOUT = {"distributed_world_size", "distributed_rank", "distributed_init_method", "device", "cpu",
                "timeout_sec", "precompile", "compile_cache"}
-_PRECISION_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"], "memory_efficient_fp16": ["--memory-efficient-fp16"]}
 
 
 def _layout_fields() -> dict[str, type]:
@@ -87,8 +87,8 @@ def parse_layout(text: str) -> Layout:
         elif key == "precision":
             if value not in PRECISIONS:
                 raise UsageError(f"layout {text!r}: precision={value} is not one of: {', '.join(PRECISIONS)}")
-            flags += _PRECISION_FLAGS[value]
-            precision_flags += _PRECISION_FLAGS[value]
+            flags += precision_flags_of(value)
+            precision_flags += precision_flags_of(value)
         elif key in fields:
             flags += _flag(fields[key], key, value)
             if key in _PRECISION_KEYS:
