@@ -12,7 +12,6 @@ previous line): distlm's tokens per update is ``wps / ups``, fairseq's ``wpb``.
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import sys
