@@ -241,7 +241,7 @@ def test_tp2_equals_single_process(references):
 # Llama with 8 query heads over 2 key/value heads: at tp 4 each rank holds 2 query heads
 # and one key/value head, which 2 ranks share (Llama 3's 32 over 8 at tp 16 or 32 alike).
 GQA = {"n_heads": 8, "n_kv_heads": 2}
-GQA_STEPS = 3
+GQA_STEPS = 2
 KV_WEIGHT = "layers.0.attention.wk.weight"
 
 
