@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from distlm import checkpoint, export
-from distlm.checkpoint import CheckpointReader, directory
+from distlm.checkpoint import CheckpointReader, directory, storage
 from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
 from distlm.config import parse_args
 from distlm.errors import UsageError
@@ -209,20 +209,26 @@ def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs,
 # ------------------------------------------------------------ checksums
 
 
-def flip_a_byte(file: Path) -> None:
-    """One bit in the middle of the file, written in place (a file's hard links see it too)."""
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    with open(file, "r+b") as f:
-        f.write(data)
+def flip_a_byte_of_a_weight(path: Path) -> tuple[str, Path]:
+    """Flip one bit in the middle of the largest weight's record in its shard: (its key, the shard)."""
+    metadata = storage.read_metadata(path)
+    index, info = max(((index, info) for index, info in metadata.storage_data.items()
+                       if index.fqn.startswith("model.")), key=lambda item: item[1].length)
+    shard = path / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    shard.write_bytes(data)
+    return index.fqn, shard
 
 
 def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoint(runs, tmp_path, capsys,
-                                                                                 never_trains):
+                                                                                 never_trains, caplog):
     save = tmp_path / "save"
     shutil.copytree(runs / "straight", save)
-    shard = save / checkpoint.LAST / "__0_0.distcp"
-    flip_a_byte(shard)
+    key, shard = flip_a_byte_of_a_weight(save / checkpoint.LAST)
+    # Without its checksum the damage reads as a weight like any other.
+    original = CheckpointReader(runs / "straight" / checkpoint.LAST).tensor(key)
+    assert not torch.equal(CheckpointReader(save / checkpoint.LAST, verify=False).tensor(key), original)
     code, lines = run_main(tiny_args(save, 6), capsys)
     assert code == 2 and len(lines) == 1, lines
     assert str(shard) in lines[0] and "--restore-file checkpoint_2" in lines[0], lines
@@ -231,8 +237,14 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoi
     assert code == 2 and len(lines) == 1, lines
     assert str(shard) in lines[0] and f"--checkpoint {save / checkpoint.numbered(2)}" in lines[0], lines
     assert not out.exists()
-    # Told not to verify, the export reads the file and says so.
-    assert export.main(["--checkpoint", str(save), "--out", str(out), "--no-verify-checkpoint"]) == 0
+    # Told not to verify, resume and export say so.
+    intact = tmp_path / "intact"
+    shutil.copytree(runs / "straight", intact)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        assert Trainer(parse_args(tiny_args(intact, 6, ["--no-verify-checkpoint"]))).resumed_at == 4
+        assert export.main(["--checkpoint", str(intact), "--out", str(out), "--no-verify-checkpoint"]) == 0
+    said = [r.getMessage() for r in caplog.records if "checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
+    assert len(said) == 2, said
 
 
 def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys, monkeypatch):
