@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from distlm.agreement import check_ranks_agree
 from distlm.builder import build_model_for_run, choose_vocabulary, log_start, resolve_model_spec
@@ -275,8 +276,11 @@ class Trainer:
         update = self.progress.num_updates + 1
         lr = self.schedule.apply(self.optimizer, update)
         gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
-        gnorm_value = float(gnorm)  # the update's one host synchronisation
-        self._agree_on_stop(global_targets[1:])
+        # The update's one host synchronisation: the gradient norm, and whether any rank was signalled.
+        gnorm_value, *signalled = torch.cat([
+            (gnorm.full_tensor() if isinstance(gnorm, DTensor) else gnorm).detach().reshape(1).double(),
+            self._stop_flags_of_every_rank(global_targets[1:])]).tolist()
+        self.stop.agree(signalled)
         finite = math.isfinite(gnorm_value)
         applied = finite and self.handle.gradients_ready
         if not finite and self.precision.scaler is None:
@@ -334,17 +338,14 @@ class Trainer:
         return (f"{self._state_need(self.model)}, plus the activations of --batch-size {data.batch_size} x "
                 f"--tokens-per-sample {data.tokens_per_sample} tokens")
 
-    def _agree_on_stop(self, summed_flags: torch.Tensor) -> None:
-        """Whether any rank received a stop signal before this update, the same on every rank.
-
-        Read after the gradient norm's synchronisation, so the all-reduce has long completed.
-        Where the data-parallel group is not the world (tensor parallel), the flags are
-        summed once more over the world: one small all-reduce per update in that layout.
-        """
+    def _stop_flags_of_every_rank(self, summed_flags: torch.Tensor) -> torch.Tensor:
+        """The stop signals summed over the data-parallel group, summed once more over the
+        world where that group is not the world (tensor parallel): one small all-reduce per
+        update in that layout only."""
         if self.ctx.is_distributed and self.ctx.dims.dp != self.ctx.world_size:
             summed_flags = summed_flags.clone()
             dist.all_reduce(summed_flags, group=self.ctx.world_group)
-        self.stop.agree(summed_flags.tolist())
+        return summed_flags
 
     def _autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""

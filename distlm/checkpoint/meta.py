@@ -14,6 +14,7 @@ from typing import Any
 
 from distlm.checkpoint import directory
 from distlm.errors import UsageError
+from distlm.models import LlamaConfig, RobertaConfig
 
 FORMAT_VERSION = 2
 
@@ -52,8 +53,6 @@ def check(meta: dict[str, Any], where: Path) -> None:
 
 def _check_model_config(family: Any, model_config: Any, where: Path) -> None:
     """The model settings an export builds its config from name only settings of the family's model."""
-    from distlm.models import LlamaConfig, RobertaConfig  # the models import nothing of checkpoints
-
     kinds = {"llama": LlamaConfig, "roberta": RobertaConfig}
     if model_config is None or family not in kinds:
         return
