@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
-from distlm.plan.flops import flops_per_token, model_flops_utilization, model_shape
+from distlm.plan.flops import model_flops_utilization, model_shape
+from distlm.plan.model import executed_flops_per_token
 
 # Rows with the same values of these fields are one scaling series; its efficiency is
 # measured against its smallest world size. Weak scaling keeps the per-replica batch,
@@ -110,7 +111,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
         memory = max(times["memory"], key=lambda report: report.get("total_bytes", 0))
         peaks = [e["launch"]["peak_flops_per_rank"] for e in entries if e["launch"]["peak_flops_per_rank"]]
         peak = statistics.median(peaks) if peaks else None
-        per_token = flops_per_token(model_shape(settings["arch"], times["vocab_size"]), spec["tokens_per_sample"])
+        per_token = executed_flops_per_token(model_shape(settings["arch"], times["vocab_size"]), spec["tokens_per_sample"])
         overheads = [
             statistics.median(e["times"]["optimizer_dtensor_s"]) - statistics.median(e["times"]["optimizer_plain_s"])
             for e in entries if e["times"].get("optimizer_dtensor_s")
