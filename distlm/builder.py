@@ -32,6 +32,7 @@ from distlm.models import ARCHS
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.registry import FAMILIES
 from distlm.parallel.api import ParallelOptions
+from distlm.parallel.pipeline import options_from_config as pipeline_options
 from distlm.parallel.names import single_device_name
 
 if TYPE_CHECKING:  # only annotates: distributed.py validates with this module's specs
@@ -170,7 +171,7 @@ def build_model_for_run(
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
         return ModelBuild(model.to(device=device, dtype=param_dtype))
     model = spec.build(vocab_size, padding_idx)
-    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
+    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
     if not sharded:
         if weights_from_checkpoint or from_hf:
@@ -273,7 +274,7 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
         cpu_offload=settings.cpu_offload,
         node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
         compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
-        foreach_clip=ctx.backend.foreach_clip,
+        foreach_clip=ctx.backend.foreach_clip, pipeline=pipeline_options(settings),
     )
 
 

@@ -38,6 +38,10 @@ COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 
 COMM_TRANSPORTS = ("torch", "mpi")
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+"""Pipeline schedules of ``--pp-schedule`` (torch.distributed.pipelining); the last three
+run ``--pp-stages-per-rank`` > 1 stages on each rank."""
+
 LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")
@@ -53,6 +57,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "network": NETWORKS,
     "comm_hook": COMM_HOOKS,
     "comm_transport": COMM_TRANSPORTS,
+    "pp_schedule": PP_SCHEDULES,
     "log_format": LOG_FORMATS,
     "best_checkpoint_metric": BEST_CHECKPOINT_METRICS,
 }
