@@ -42,7 +42,9 @@ PARAM_ATOL = 2e-6
 
 
 def args_for(data_dir: str, save_dir: str, arch: str, *extra: str) -> list[str]:
-    return common_args(data_dir, save_dir, arch) + SHAPE + list(extra)
+    """The run's flags; it saves and resumes only where ``save_dir`` is not the shared "none"."""
+    args = common_args(data_dir, save_dir, arch) + SHAPE + list(extra)
+    return args if save_dir.endswith("none") else [a for a in args if a != "--no-save"]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

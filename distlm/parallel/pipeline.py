@@ -322,7 +322,7 @@ class PipelineRunner:
                          autocast: Callable) -> torch.Tensor:
         """Forward and backward of whole pipeline passes, one per ``--update-freq`` batch, each
         micro-batch's loss multiplied by ``factor``; returns the summed (unscaled) loss."""
-        self._factor = factor
+        self._factor = factor.reshape(())  # a scalar: it may meet a tensor-parallel (DTensor) loss
         for batch in batches:
             with autocast():
                 self._run(self.train_schedule, batch, forward_only=False)
