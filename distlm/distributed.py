@@ -83,7 +83,7 @@ class DistContext:
 
     @property
     def layout(self) -> dict[str, int]:
-        return {"dp": self.dims.dp, "tp": self.dims.tp}
+        return {"dp": self.dims.dp, "tp": self.dims.tp, **({"pp": self.dims.pp} if self.dims.pp_enabled else {})}
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (collective over the world)."""
@@ -191,8 +191,8 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     device = backend.device(env)
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat)
     if context.is_main:
-        logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
-                    env.describe(), device, dims.dp, dims.tp, dims.strategy)
+        logger.info("%s; device %s, layout %sdp %d x tp %d, strategy %s", env.describe(), device,
+                    f"pp {dims.pp} x " if dims.pp_enabled else "", dims.dp, dims.tp, dims.strategy)
     return context
 
 
