@@ -84,13 +84,7 @@ def parallelize(
         broadcast_from_rank0(model)
     if dims.pp_enabled:
         return parallelize_pipeline(model, dims, device, options, options.pipeline, whole_model, fill_shards)
-    if dims.tp_enabled:
-        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
-                         compiled=options.compile_backend is not None)
-    if options.compile_backend is not None:
-        apply_compile(model, options.compile_backend)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    model = apply_layer_transforms(model, dims, mesh, options)
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
@@ -133,6 +127,19 @@ def parallelize(
         foreach_clip=options.foreach_clip,
     )
     return model, handle
+
+
+def apply_layer_transforms(model: nn.Module, dims: ParallelDims, mesh, options: ParallelOptions) -> nn.Module:
+    """Tensor parallel, then compile of each block, then activation checkpointing around the
+    compiled blocks (the other order fails under TP in torch 2.13)."""
+    if dims.tp_enabled:
+        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
+                         compiled=options.compile_backend is not None)
+    if options.compile_backend is not None:
+        apply_compile(model, options.compile_backend)
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
 
 
 @torch.no_grad()

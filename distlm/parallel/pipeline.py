@@ -34,6 +34,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distlm.data.masking import IGNORE_INDEX
@@ -43,7 +45,9 @@ from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
-from distlm.parallel.tp import _pattern_regex, local_value
+from distlm.parallel.ddp import apply_ddp
+from distlm.parallel.fsdp import fsdp_dtypes
+from distlm.parallel.tp import _pattern_regex, local_value, shard_gradients_like_parameters
 
 logger = logging.getLogger("distlm")
 
@@ -124,6 +128,9 @@ def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str)
     if config.compile.compile and schedule in ("zero-bubble", "zbv"):
         raise UsageError(f"--pp-schedule {schedule} splits backward into input and weight parts, which torch "
                          "cannot do for compiled blocks; drop --compile or use interleaved-1f1b")
+    if settings.sequence_parallel and per_rank > 1 and "sequence_region" in getattr(model, "tp_plan", {}).values():
+        raise UsageError(f"--sequence-parallel shards {name}'s blocks as one sequence region, which a rank's "
+                         "several stages would split; use --pp-stages-per-rank 1 or drop --sequence-parallel")
     tied = set(model.embed_modules) & set(model.head_modules)
     if schedule == "zbv" and tied and dims.dp_enabled:
         raise UsageError(f"--pp-schedule zbv puts the first and the last stage on one rank, where {name}'s tied "
@@ -400,10 +407,6 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.dev
     """This rank's stages of ``model`` (on the meta device), then tensor parallel, compile,
     activation checkpointing and FSDP or DDP per stage; the pruned model and its handle."""
     from distlm.parallel import api  # api dispatches here; its helpers serve both paths
-    from distlm.compile import apply_compile
-    from distlm.parallel.ddp import apply_ddp
-    from distlm.parallel.fsdp import fsdp_dtypes
-    from distlm.parallel.tp import apply_tp, shard_gradients_like_parameters
 
     mesh = dims.build_mesh(device.type)
     pp_rank = dims.pp_rank(dist.get_rank())
@@ -417,13 +420,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.dev
     head_modules, embed_modules = tuple(model.head_modules), tuple(model.embed_modules)
     on_meta = any(p.is_meta for p in model.parameters())
     model = cut_model(model, [ranges[s] for s in stage_ids], first, last)
-    if dims.tp_enabled:
-        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
-                         compiled=options.compile_backend is not None)
-    if options.compile_backend is not None:
-        apply_compile(model, options.compile_backend)
-    if options.activation_checkpointing:
-        api.apply_activation_checkpointing(model)
+    model = api.apply_layer_transforms(model, dims, mesh, options)
     chunks = [StageChunk(model, ranges[s], s == 0, s == stage_count - 1,
                          (embed_modules if s == 0 else ()) + (head_modules if s == stage_count - 1 else ()))
               for s in stage_ids]
@@ -433,7 +430,6 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.dev
         param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
         chunks = [_shard_chunk(chunk, mesh["dp"], param_dtype, reduce_dtype) for chunk in chunks]
     elif dims.dp_enabled and dims.tp_enabled:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
         for chunk in chunks:
             for block in chunk.blocks:
                 replicate(block, mesh=mesh["dp"])
@@ -462,7 +458,6 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.dev
 
 def _shard_chunk(chunk: StageChunk, dp_mesh, param_dtype, reduce_dtype) -> nn.Module:
     """FSDP2 per block, then the stage's own embedding and head as its root unit."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in chunk.blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy)
