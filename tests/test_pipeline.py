@@ -14,7 +14,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from safetensors import safe_open
+
 from distributed import run_distributed
+from distlm import checkpoint, export
 from distlm.checkpoint.state import optimizer_state
 from distlm.config import parse_args
 from distlm.parallel.full_state import consolidated_parameters
@@ -131,7 +134,7 @@ def overflow_on_last_stage(data_dir: str, save_dir: str) -> dict:
 def test_pipeline_two_ranks(data_dir, tmp_path):
     """pp 2 under every schedule equals one process; tied copies stay bit-identical; the
     validation loss equals one process's; checkpoints move between pp 2 and fsdp 2; an
-    overflow on the last stage skips the update everywhere."""
+    overflow on the last stage skips the update everywhere; export reads a pp x tp checkpoint."""
     pp_tp_dir = str(tmp_path / "pp_tp")
     saved = four_rank_job(data_dir, tmp_path, pp_tp_dir)
     ranks = run_distributed(two_rank_checks, 2, data_dir, str(tmp_path), pp_tp_dir, timeout=300)
@@ -160,6 +163,9 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
     one = resumed(args_for(data_dir, pp_tp_dir, "llama_tiny"))
     for key in ("params", "moments"):
         assert_close(one[key], saved[key], atol=0)
+    export.export(str(Path(pp_tp_dir) / checkpoint.LAST), str(tmp_path / "exported.safetensors"))
+    with safe_open(str(tmp_path / "exported.safetensors"), "pt") as exported:
+        assert_close({name: exported.get_tensor(name) for name in exported.keys()}, saved["params"], atol=0)
 
     for rank in ranks:
         overflow = rank["overflow"]
@@ -169,19 +175,19 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
 
 def four_rank_checks(data_dir: str, root: str, save_dir: str) -> dict:
     out = {}
-    for name, flags in {"ddp": [], "fsdp": ["--strategy", "fsdp"]}.items():
+    for name, flags in {"ddp": [], "fsdp": ["--strategy", "fsdp"], "zero1": ["--strategy", "zero1"]}.items():
         out[name] = train(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2", *flags))
-    out["tp"] = train(args_for(data_dir, save_dir, "llama_tiny", "--pp-degree", "2", "--tp-degree", "2"),
-                      save=True)
+    out["tp"] = train(args_for(data_dir, save_dir, "llama_tiny", "--pp-degree", "2", "--tp-degree", "2",
+                               "--sequence-parallel"), save=True)
     return out
 
 
 def four_rank_job(data_dir: str, tmp_path: Path, save_dir: str) -> dict:
-    """pp 2 x dp 2 (ddp, fsdp) and pp 2 x tp 2 on 4 ranks equal one process (its batch the
+    """pp 2 x dp 2 (ddp, fsdp, zero1) and pp 2 x tp 2 with sequence parallel on 4 ranks equal one process (its batch the
     global one); the pp 2 x tp 2 run saves the checkpoint the 2-rank job reshards."""
     ranks = run_distributed(four_rank_checks, 4, data_dir, str(tmp_path), save_dir, timeout=300)
     double = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny", "--batch-size", "8"))
-    for key in ("ddp", "fsdp"):
+    for key in ("ddp", "fsdp", "zero1"):
         assert_close(merged([r[key] for r in ranks], "params"), double["params"])
     reference = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny"))
     assert_close(merged([r["tp"] for r in ranks], "params"), reference["params"])
