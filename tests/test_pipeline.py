@@ -20,6 +20,7 @@ from distributed import run_distributed
 from distlm import checkpoint, export
 from distlm.checkpoint.state import optimizer_state
 from distlm.config import parse_args
+from distlm.divergence import DivergenceError
 from distlm.parallel.full_state import consolidated_parameters
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -108,6 +109,12 @@ def two_rank_checks(data_dir: str, root: str, reshard_from: str) -> dict:
     trainer = Trainer(parse_args(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2",
                                           "--batch-size-valid", "3")))
     out["valid"] = trainer.validator.validate(trainer.model)[0].loss
+    # Without a loss scaler a non-finite gradient stops the run, naming the parameter on its stage.
+    if trainer.pipeline.holds_last:
+        trainer.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
+    with pytest.raises(DivergenceError) as diverged:
+        trainer.train_step(next(trainer.update_batches()))
+    out["diverged"] = str(diverged.value)
     # The save at fsdp 2 that the pipeline resumes, and the pipeline resuming one of pp 2 x tp 2.
     fsdp_dir = f"{root}/fsdp"
     out["fsdp_saved"] = train(args_for(data_dir, fsdp_dir, "llama_tiny", "--strategy", "fsdp"), save=True)
@@ -134,7 +141,8 @@ def overflow_on_last_stage(data_dir: str, save_dir: str) -> dict:
 def test_pipeline_two_ranks(data_dir, tmp_path):
     """pp 2 under every schedule equals one process; tied copies stay bit-identical; the
     validation loss equals one process's; checkpoints move between pp 2 and fsdp 2; an
-    overflow on the last stage skips the update everywhere; export reads a pp x tp checkpoint."""
+    overflow on the last stage skips the update everywhere (and, without a loss scaler, stops
+    the run naming the parameter on its stage); export reads a pp x tp checkpoint."""
     pp_tp_dir = str(tmp_path / "pp_tp")
     saved = four_rank_job(data_dir, tmp_path, pp_tp_dir)
     ranks = run_distributed(two_rank_checks, 2, data_dir, str(tmp_path), pp_tp_dir, timeout=300)
@@ -168,6 +176,7 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
         assert_close({name: exported.get_tensor(name) for name in exported.keys()}, saved["params"], atol=0)
 
     for rank in ranks:
+        assert "first non-finite in the gradient of norm.weight;" in rank["diverged"], rank["diverged"]
         overflow = rank["overflow"]
         assert not overflow["applied"] and overflow["unchanged"] and overflow["updates"] == 0
         assert overflow["scale"][1] == overflow["scale"][0] / 2

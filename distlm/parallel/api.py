@@ -29,7 +29,7 @@ from distlm.parallel.full_state import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.mpi_transport import mpi_transport_factory
 from distlm.parallel.names import single_device_name
-from distlm.parallel.pipeline import PipelineOptions, parallelize_pipeline
+from distlm.parallel.pipeline import PipelineOptions, cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
 
 logger = logging.getLogger("distlm")
@@ -82,9 +82,10 @@ def parallelize(
         # A model built on every rank (the user's own) is cut into shards in place: each
         # rank must hold rank 0's weights first, or the shards would be of different models.
         broadcast_from_rank0(model)
-    if dims.pp_enabled:
-        return parallelize_pipeline(model, dims, device, options, options.pipeline, whole_model, fill_shards)
+    stages = cut_stages(model, dims, options.pipeline) if dims.pp_enabled else None
     model = apply_layer_transforms(model, dims, mesh, options)
+    if stages is not None:
+        return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:

@@ -401,28 +401,47 @@ class PipelineHandle(DataParallelHandle):
 
 # ------------------------------------------------------------- parallelising
 
-def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.device, options: Any,
-                         pipeline: PipelineOptions, whole_model: Callable[[], nn.Module] | None,
-                         fill_shards: Callable[[nn.Module], None] | None) -> tuple[nn.Module, PipelineHandle]:
-    """This rank's stages of ``model`` (on the meta device), then tensor parallel, compile,
-    activation checkpointing and FSDP or DDP per stage; the pruned model and its handle."""
-    from distlm.parallel import api  # api dispatches here; its helpers serve both paths
+@dataclass
+class StageLayout:
+    """Which stages this rank runs and what their chunks hold, fixed when the model is cut."""
 
-    mesh = dims.build_mesh(device.type)
-    pp_rank = dims.pp_rank(dist.get_rank())
+    model: nn.Module
+    """The single-device model left with this rank's blocks, embedding and head."""
+    ranges: list[range]
+    """Every stage's blocks."""
+    stage_ids: list[int]
+    """This rank's stages."""
+    embed_modules: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    on_meta: bool
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.ranges)
+
+
+def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineOptions) -> StageLayout:
+    """``model`` cut down to this rank's stages, before tensor parallel and the rest apply."""
     stage_count = dims.pp * pipeline.stages_per_rank
     blocks = len(model_blocks(model))
     ranges = (parse_split(pipeline.split, stage_count, blocks) if pipeline.split
               else balanced_split(model, stage_count))
-    stage_ids = stages_of_rank(pp_rank, dims.pp, pipeline.stages_per_rank, pipeline.schedule)
-    first, last = 0 in stage_ids, stage_count - 1 in stage_ids
-    tied_names = set(model.embed_modules) & set(model.head_modules)
-    head_modules, embed_modules = tuple(model.head_modules), tuple(model.embed_modules)
-    on_meta = any(p.is_meta for p in model.parameters())
-    model = cut_model(model, [ranges[s] for s in stage_ids], first, last)
-    model = api.apply_layer_transforms(model, dims, mesh, options)
-    chunks = [StageChunk(model, ranges[s], s == 0, s == stage_count - 1,
-                         (embed_modules if s == 0 else ()) + (head_modules if s == stage_count - 1 else ()))
+    stage_ids = stages_of_rank(dims.pp_rank(dist.get_rank()), dims.pp, pipeline.stages_per_rank, pipeline.schedule)
+    layout = StageLayout(model, ranges, stage_ids, tuple(model.embed_modules), tuple(model.head_modules),
+                         on_meta=any(p.is_meta for p in model.parameters()))
+    cut_model(model, [ranges[s] for s in stage_ids], 0 in stage_ids, stage_count - 1 in stage_ids)
+    return layout
+
+
+def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.device, options: Any,
+                       pipeline: PipelineOptions, whole_model: Callable[[], nn.Module] | None,
+                       fill_shards: Callable[[nn.Module], None] | None) -> tuple[nn.Module, PipelineHandle]:
+    """FSDP or DDP around each of this rank's stage chunks (their layers already transformed),
+    the weights, and the schedules; the pruned model and its handle."""
+    model, ranges, stage_ids, last_stage = layout.model, layout.ranges, layout.stage_ids, layout.stage_count - 1
+    mesh = dims.build_mesh(device.type)
+    chunks = [StageChunk(model, ranges[s], s == 0, s == last_stage,
+                         (layout.embed_modules if s == 0 else ()) + (layout.head_modules if s == last_stage else ()))
               for s in stage_ids]
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     param_dtype = reduce_dtype = None
@@ -434,18 +453,19 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, device: torch.dev
             for block in chunk.blocks:
                 replicate(block, mesh=mesh["dp"])
             replicate(chunk, mesh=mesh["dp"])
-    if on_meta:
+    if layout.on_meta:
         _materialise_stage(model, chunks, device, whole_model, fill_shards)
-    if on_meta and dims.tp_enabled:
-        shard_gradients_like_parameters(model)
+        if dims.tp_enabled:
+            shard_gradients_like_parameters(model)
     if dims.dp_enabled and not fsdp and not dims.tp_enabled:
         chunks = [apply_ddp(chunk, device, dims.dp_group(device.type), options.bucket_cap_mb) for chunk in chunks]
-    tied = [p for name in sorted(tied_names) if getattr(model, name, None) is not None
+    tied_names = sorted(set(layout.embed_modules) & set(layout.head_modules))
+    tied = [p for name in tied_names if getattr(model, name, None) is not None
             for p in getattr(model, name).parameters()]
     tied_group = _tied_group(dims, mesh, pipeline.schedule) if tied_names else None
     runner = PipelineRunner(model, chunks, stage_ids, dims, device, pipeline, tied, tied_group)
     logger.info("applied pipeline parallel: %d stages over %d ranks (%s, %d micro-batches), blocks %s",
-                stage_count, dims.pp, pipeline.schedule, runner.microbatches,
+                layout.stage_count, dims.pp, pipeline.schedule, runner.microbatches,
                 ",".join(f"{r.start}:{r.stop}" for r in ranges))
     handle = PipelineHandle(
         model=model, dims=dims, dp_group=dims.dp_group(device.type),
