@@ -30,7 +30,7 @@ UPDATES = 3
 SHAPE = ["--tokens-per-sample", "16", "--batch-size", "4"]
 LOOPED = ["--pp-stages-per-rank", "2"]
 SCHEDULES = {
-    "gpipe": ["--pp-schedule", "gpipe"],
+    "gpipe": ["--pp-schedule", "gpipe", "--pp-split", "0:1,1:4"],  # and an uneven split
     "1f1b": ["--pp-schedule", "1f1b"],
     "interleaved-1f1b": ["--pp-schedule", "interleaved-1f1b", *LOOPED],
     "zero-bubble": ["--pp-schedule", "zero-bubble", *LOOPED],
@@ -107,9 +107,10 @@ def two_rank_checks(data_dir: str, root: str, reshard_from: str) -> dict:
     # Validation through the forward-only schedule, 20 samples in batches of 3: the last
     # batch is short and padded with rows that predict nothing.
     trainer = Trainer(parse_args(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2",
-                                          "--batch-size-valid", "3")))
+                                          "--batch-size-valid", "3", "--clip-norm", "0")))
     out["valid"] = trainer.validator.validate(trainer.model)[0].loss
-    # Without a loss scaler a non-finite gradient stops the run, naming the parameter on its stage.
+    # Without a loss scaler a non-finite gradient stops the run, naming the parameter on its
+    # stage (no clipping: a NaN norm would make every gradient NaN first).
     if trainer.pipeline.holds_last:
         trainer.model.norm.weight.register_hook(lambda grad: grad * float("inf"))
     with pytest.raises(DivergenceError) as diverged:
@@ -229,3 +230,26 @@ def test_model_without_blocks_is_refused(tmp_path):
     config = TrainConfig()
     with pytest.raises(UsageError, match="declares none"):
         check_pipeline(torch.nn.Linear(2, 2), config, ParallelDims(world_size=2, pp=2), "Linear")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_balanced_split_minimises_the_largest_stage(stages):
+    """Against every contiguous split of llama_tiny's 4 blocks (embedding on the first
+    stage, norm and head on the last), on the meta device."""
+    from itertools import combinations
+
+    from distlm.builder import resolve_model_spec
+    from distlm.config import ModelConfig
+    from distlm.parallel.pipeline import _part_size, balanced_split
+
+    model = resolve_model_spec(ModelConfig(arch="llama_tiny")).build(3000, 1)
+    sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    ends = (_part_size(model, model.embed_modules), _part_size(model, model.head_modules))
+
+    def largest(ranges):
+        return max(sum(sizes[i] for i in r) + (ends[0] if k == 0 else 0) + (ends[1] if k == len(ranges) - 1 else 0)
+                   for k, r in enumerate(ranges))
+
+    splits = [[range(a, b) for a, b in zip((0, *cuts), (*cuts, 4))] for cuts in combinations(range(1, 4), stages - 1)]
+    found = balanced_split(model, stages)
+    assert found in splits and largest(found) == min(largest(split) for split in splits)
