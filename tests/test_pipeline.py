@@ -61,14 +61,16 @@ def moments(trainer: Trainer) -> dict[str, torch.Tensor]:
             for key, value in entry.items() if key in ("exp_avg", "exp_avg_sq")}
 
 
-def train(args: list[str], updates: int = UPDATES, save: bool = False) -> dict:
-    """Parameters (and Adam's moments) of this rank's stage after ``updates`` updates."""
+def train(args: list[str], updates: int = UPDATES, save: bool = False, valid: bool = False) -> dict:
+    """Parameters (and Adam's moments) of this rank's stage after ``updates`` updates, and
+    with ``valid`` the validation loss then."""
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
     gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(updates)]
     if save:
         trainer.save_checkpoint()
-    return {"params": consolidated_parameters(trainer.model), "moments": moments(trainer), "gnorms": gnorms}
+    return {"params": consolidated_parameters(trainer.model), "moments": moments(trainer), "gnorms": gnorms,
+            "valid": trainer.validator.validate(trainer.model)[0].loss if valid else None}
 
 
 def resumed(args: list[str]) -> dict:
@@ -103,7 +105,7 @@ def two_rank_checks(data_dir: str, root: str, reshard_from: str) -> dict:
         for name, flags in SCHEDULES.items():
             if arch == "roberta_tiny" and name in ("gpipe", "zero-bubble"):
                 continue  # the tied embedding: across ranks (1f1b, interleaved) and on one rank (zbv)
-            out[arch, name] = train(args_for(data_dir, f"{root}/none", arch, "--pp-degree", "2", *flags))
+            out[arch, name] = train(args_for(data_dir, f"{root}/none", arch, "--pp-degree", "2", *flags), valid=True)
     # Validation through the forward-only schedule, 20 samples in batches of 3: the last
     # batch is short and padded with rows that predict nothing.
     trainer = Trainer(parse_args(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2",
@@ -148,11 +150,14 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
     saved = four_rank_job(data_dir, tmp_path, pp_tp_dir)
     ranks = run_distributed(two_rank_checks, 2, data_dir, str(tmp_path), pp_tp_dir, timeout=300)
     for arch in ("llama_tiny", "roberta_tiny"):
-        reference = train(args_for(data_dir, str(tmp_path / "none"), arch))
+        reference = train(args_for(data_dir, str(tmp_path / "none"), arch), valid=True)
         for key in ranks[0]:
             if isinstance(key, tuple) and key[0] == arch:
                 assert_close(merged([r[key] for r in ranks], "params"), reference["params"])
                 assert ranks[0][key]["gnorms"] == pytest.approx(reference["gnorms"], rel=1e-5)
+                # Each schedule's forward-only pass over the validation split, on parameters
+                # ~1e-7 from the reference's.
+                assert ranks[0][key]["valid"] == ranks[1][key]["valid"] == pytest.approx(reference["valid"], rel=1e-5)
     # The tied embedding exists on both ranks under 1f1b and interleaved (merged() checked
     # the copies bit for bit), on one rank under zbv (its stages share it).
     assert "embed_tokens.weight" in ranks[0]["roberta_tiny", "1f1b"]["params"]

@@ -13,6 +13,10 @@ and nothing else, so parallelism can be applied from outside:
 ``tp_plan``        Optional: module-name pattern -> tensor-parallel style (see parallel/tp.py);
                    empty means the model cannot be tensor-parallel.
 ``tp_divisible``   Optional: config fields the tensor-parallel degree must divide.
+``embed``, ``block_args``, ``head``, ``embed_modules``, ``head_modules``
+                   Optional, for --pp-degree: forward in three parts, ``head(blocks(embed(ids),
+                   *block_args(ids)))``, and the top-level modules the first and the last part use
+                   (a module in both is a tied weight, kept on the first and the last stage).
 
 A masked LM's ``forward(input_ids, masked_tokens=None)`` may compute logits at the
 masked positions only; every model maps ``input_ids [B, T]`` to logits ``[B, T, V]``.

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.schedules import _ComputationType
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -294,6 +295,14 @@ class PipelineRunner:
         # Validation batches have their own shape: stages of their own, forward only.
         eval_name = "gpipe" if options.schedule not in LOOPED else options.schedule
         self.eval_schedule = self._schedule(chunks, stage_ids, eval_name, self._scaled_loss)
+        if eval_name == "zbv":
+            # torch 2.13's zbv still hands gradients between a rank's two stages when run
+            # forward only (eval() fails); its own order without the backward actions does not.
+            forward = {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+                       _ComputationType.UNSHARD, _ComputationType.RESHARD}
+            orders = self.eval_schedule.pipeline_order_with_comms
+            for rank, actions in orders.items():
+                orders[rank] = [action for action in actions if action.computation_type in forward]
 
     def _schedule(self, chunks, stage_ids, name: str, loss_fn: Callable):
         stages = [PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
