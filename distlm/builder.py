@@ -213,7 +213,7 @@ def build_model_for_run(
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
         return ModelBuild(model.to(device=device, dtype=param_dtype))
     model = spec.build(vocab_size, padding_idx)
-    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
+    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
     if not sharded:
         if weights_from_checkpoint or from_hf:

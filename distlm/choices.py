@@ -48,6 +48,14 @@ PROBE_METHODS = {"all_reduce": "plain", "all_gather": "all_gather", "reduce_scat
 COLLECTIVE_OF_PROBE_METHOD = {method: kind for kind, method in PROBE_METHODS.items()}
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
+"""Pipeline schedules of ``--pp-schedule`` (torch.distributed.pipelining); the last three
+run ``--pp-stages-per-rank`` > 1 stages on each rank."""
+
+PP_LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
+"""The schedules that run ``--pp-stages-per-rank`` > 1 stages on each rank."""
+
+PP_ZERO_BUBBLE_SCHEDULES = ("zero-bubble", "zbv")
+"""The schedules that split backward into its input and weight parts."""
 
 LOG_FORMATS = ("json", "simple", "tqdm")
 
@@ -67,6 +75,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "network": NETWORKS,
     "comm_hook": COMM_HOOKS,
     "comm_transport": COMM_TRANSPORTS,
+    "pp_schedule": PP_SCHEDULES,
     "log_format": LOG_FORMATS,
     "best_checkpoint_metric": BEST_CHECKPOINT_METRICS,
     "rope_scaling": ROPE_SCALINGS,

@@ -189,7 +189,17 @@ class DistributedConfig:
     tp_degree: int = 1
     """Tensor-parallel degree: ranks that split each layer; they see the same batch."""
     dp_degree: int = -1
-    """Data-parallel degree; default (-1): whatever --tp-degree leaves of the world size."""
+    """Data-parallel degree; default (-1): whatever --tp-degree and --pp-degree leave of the world size."""
+    pp_degree: int = 1
+    """Pipeline-parallel degree: ranks that each hold a stage (a run of blocks) of the model."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv (the last three want --pp-stages-per-rank 2+)."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches each --batch-size batch is split into (0: 2 x --pp-degree); must divide the batch."""
+    pp_stages_per_rank: int = 1
+    """Stages each rank holds, for the looped schedules (interleaved-1f1b, zero-bubble, zbv)."""
+    pp_split: str | None = None
+    """Blocks of each stage, e.g. 0:12,12:24 (default: balanced by parameter count)."""
     sequence_parallel: bool = False
     """With --tp-degree: also shard norms and dropout regions along the sequence."""
     activation_checkpointing: bool = False
@@ -395,6 +405,7 @@ BOUNDS: dict[str, tuple] = {
     "tokens_per_sample": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "update_freq": _AT_LEAST_1,
     "log_interval": _AT_LEAST_1, "save_interval": _AT_LEAST_1, "validate_interval": _AT_LEAST_1,
     "max_valid_steps": _AT_LEAST_1, "batch_size_valid": _AT_LEAST_1, "tp_degree": _AT_LEAST_1,
+    "pp_degree": _AT_LEAST_1, "pp_stages_per_rank": _AT_LEAST_1, "pp_microbatches": _NOT_NEGATIVE,
     "ranks_per_node": _AT_LEAST_1, "fp16_scale_window": _AT_LEAST_1, "fp16_max_skips": _AT_LEAST_1,
     "total_num_update": _AT_LEAST_1, "distributed_world_size": _RANKS,
     "encoder_layers": _LAYERS, "encoder_embed_dim": _WIDTH, "encoder_ffn_embed_dim": _WIDTH,

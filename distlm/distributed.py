@@ -30,6 +30,7 @@ from distlm.errors import first_line
 from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
 from distlm.parallel.api import ParallelOptions
+from distlm.parallel.pipeline import options_from_config as pipeline_options
 from distlm.validation import validate_run
 
 logger = logging.getLogger("distlm")
@@ -89,7 +90,7 @@ class DistContext:
 
     @property
     def layout(self) -> dict[str, int]:
-        return {"dp": self.dims.dp, "tp": self.dims.tp}
+        return {"dp": self.dims.dp, "tp": self.dims.tp, **({"pp": self.dims.pp} if self.dims.pp_enabled else {})}
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (collective over the world)."""
@@ -191,8 +192,8 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
-        logger.info("%s; device %s, layout dp %d x tp %d, strategy %s",
-                    env.describe(), device, dims.dp, dims.tp, dims.strategy)
+        logger.info("%s; device %s, layout %sdp %d x tp %d, strategy %s", env.describe(), device,
+                    f"pp {dims.pp} x " if dims.pp_enabled else "", dims.dp, dims.tp, dims.strategy)
     return context
 
 
@@ -207,7 +208,7 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
         cpu_offload=settings.cpu_offload,
         node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
         compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
-        foreach_clip=ctx.backend.foreach_clip,
+        foreach_clip=ctx.backend.foreach_clip, pipeline=pipeline_options(settings),
     )
 
 

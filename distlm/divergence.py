@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,12 +35,19 @@ def first_nonfinite_gradient(model: nn.Module, group: dist.ProcessGroup | None =
     """The single-device name of the first parameter (in registration order) whose gradient is
     non-finite on any rank, or None (collective over ``group`` when one is given)."""
     params = list(model.parameters())
+    names = parameter_names(model)
     first = next((i for i, p in enumerate(params) if p.grad is not None and not _finite(p.grad)), len(params))
-    if group is not None:
-        found = torch.tensor([first], dtype=torch.int64, device=params[0].device if params else "cpu")
-        dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
-        first = int(found.item())
-    return parameter_names(model)[first] if first < len(params) else None
+    if group is None:
+        return names[first] if first < len(params) else None
+    # Ranks holding the same parameters (replicas, tensor-parallel shards) compare indices;
+    # pipeline stages hold different ones and come in rank order, which is stage order.
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (tuple(names), first), group=group)
+    for held in dict.fromkeys(held for held, _ in everyone):
+        index = min(i for other, i in everyone if other == held)
+        if index < len(held):
+            return held[index]
+    return None
 
 
 @contextlib.contextmanager

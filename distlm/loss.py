@@ -57,6 +57,11 @@ def summed_cross_entropy(model: nn.Module, batch: dict[str, torch.Tensor], input
         targets = targets[masked]
     else:
         logits = model(batch["input_ids"], **kwargs)
+    return summed_token_loss(logits, targets)
+
+
+def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy (fp32) of ``logits [..., V]`` against ``targets [...]``."""
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

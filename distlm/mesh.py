@@ -26,6 +26,8 @@ class ParallelDims:
     world_size: int
     dp: int = -1
     tp: int = 1
+    pp: int = 1
+    """Pipeline stages: the outermost mesh axis (pp, dp, tp), so a stage's dp x tp ranks are neighbours."""
     strategy: str = "ddp"
     """How the data-parallel axis holds the model: ddp (replicas), zero1 (replicas,
     sharded optimizer state) or fsdp (everything sharded)."""
@@ -38,13 +40,18 @@ class ParallelDims:
             raise UsageError(f"--strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
         if self.tp < 1:
             raise UsageError(f"--tp-degree must be at least 1, got {self.tp}")
+        if self.pp < 1:
+            raise UsageError(f"--pp-degree must be at least 1, got {self.pp}")
         if self.dp == -1:
-            if self.world_size % self.tp:
-                raise UsageError(f"--tp-degree {self.tp} does not divide the world size {self.world_size}")
-            self.dp = self.world_size // self.tp
-        if self.dp < 1 or self.dp * self.tp != self.world_size:
+            if self.world_size % (self.tp * self.pp):
+                raise UsageError(
+                    f"--tp-degree {self.tp} x --pp-degree {self.pp} does not divide the world size {self.world_size}"
+                    if self.pp > 1 else f"--tp-degree {self.tp} does not divide the world size {self.world_size}")
+            self.dp = self.world_size // (self.tp * self.pp)
+        if self.dp < 1 or self.pp * self.dp * self.tp != self.world_size:
+            pp = f"--pp-degree {self.pp} x " if self.pp > 1 else ""
             raise UsageError(
-                f"--dp-degree {self.dp} x --tp-degree {self.tp} = {self.dp * self.tp}, "
+                f"{pp}--dp-degree {self.dp} x --tp-degree {self.tp} = {self.pp * self.dp * self.tp}, "
                 f"but the world size is {self.world_size}; make the product equal the number of ranks"
             )
 
@@ -57,33 +64,52 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def replicas_share_parameters(self) -> bool:
         """True when every data-parallel rank holds the same parameters (all but fsdp)."""
         return self.strategy != "fsdp"
 
     def coordinates(self, rank: int) -> tuple[int, int]:
-        """(dp rank, tp rank) of a global rank: the ("dp", "tp") mesh is laid out row-major,
+        """(dp rank, tp rank) of a global rank: the ("pp", "dp", "tp") mesh is laid out row-major,
         so the tensor-parallel ranks of one replica are neighbours (one node, fast links)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
-        return divmod(rank, self.tp)
+        return divmod(rank % (self.dp * self.tp), self.tp)
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage (of ``pp``) that a global rank runs."""
+        return rank // (self.dp * self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The ("dp", "tp") mesh; None for a single process, which needs no process groups."""
+        """The ("dp", "tp") mesh, ("pp", "dp", "tp") with pipeline stages; None for a single
+        process, which needs no process groups."""
         if self.world_size == 1:
             return None
         if self._mesh is None:
-            self._mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+            if self.pp_enabled:
+                self._mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp),
+                                              mesh_dim_names=("pp", "dp", "tp"))
+            else:
+                self._mesh = init_device_mesh(device_type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         return self._mesh
 
     def dp_group(self, device_type: str) -> dist.ProcessGroup | None:
         mesh = self.build_mesh(device_type)
         if mesh is None:
             return None
-        if not self.tp_enabled:
+        if not self.tp_enabled and not self.pp_enabled:
             # The world group itself: no extra gloo communicator to set up.
             return dist.group.WORLD
         return self._group(mesh, "dp")
+
+    def pp_group(self, device_type: str) -> dist.ProcessGroup | None:
+        """The ranks holding the stages of one pipeline; None without pipeline parallel."""
+        if not self.pp_enabled:
+            return None
+        return self._group(self.build_mesh(device_type), "pp")
 
     def tp_group(self, device_type: str) -> dist.ProcessGroup | None:
         """The ranks holding one replica's tensor-parallel shards; None without tensor parallel."""

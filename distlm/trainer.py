@@ -88,11 +88,13 @@ class Trainer:
             )
             self.model_inputs = ModelInputs.of(build.model, self.task)
             self.fixed_length = config.data.tokens_per_sample if (
-                config.compile.compile or self.ctx.backend.static_shapes) else None
-            """Batches padded to this length, so compiled or traced graphs see one shape."""
+                config.compile.compile or self.ctx.backend.static_shapes or self.ctx.dims.pp_enabled) else None
+            """Batches padded to this length, so compiled or traced graphs (and pipeline stages) see one shape."""
             self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                                   parallel_options(config, self.ctx), build.whole_model,
                                                   build.fill_shards)
+        self.pipeline = getattr(self.handle, "runner", None)
+        """The pipeline's schedules (parallel/pipeline.py) when the layout has pp > 1."""
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
@@ -266,6 +268,10 @@ class Trainer:
 
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        if self.pipeline is not None:  # whole pipeline passes; the loss arrives from the last stage
+            with self.handle.loss_context():
+                loss_sum = self.pipeline.forward_backward(tensors, factor, self._autocast)
+            tensors = []
         for i, batch in enumerate(tensors):
             with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
                 with self._autocast():
@@ -354,6 +360,8 @@ class Trainer:
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy over the batch's targets (divided by the global count in train_step)."""
+        if self.pipeline is not None:
+            return self.pipeline.eval_loss(batch)
         return summed_cross_entropy(self.model, batch, self.model_inputs)
 
     @property

@@ -20,6 +20,7 @@ from distlm.errors import UsageError
 from distlm.mesh import ParallelDims, validate_ranks_per_node
 from distlm.models.contract import check_model
 from distlm.parallel.fsdp import check_cpu_offload
+from distlm.parallel.pipeline import check_pipeline
 from distlm.parallel.tp import validate_tp
 
 # Any vocabulary will do for shape checks: tensor parallel splits heads and feed-forward
@@ -45,7 +46,8 @@ def validate_run(
     for the user's own model), so that a run resolves it once."""
     check_settings(config)
     settings = config.distributed
-    dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, strategy=settings.strategy)
+    dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, pp=settings.pp_degree,
+                        strategy=settings.strategy)
     check_strategy_options(config, dims)
     if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is None:
         # Grouping ranks by node on a guess would reduce across the network where the
@@ -129,6 +131,8 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
             model, dims.tp, sequence_parallel=config.distributed.sequence_parallel,
             tokens_per_sample=config.data.tokens_per_sample, arch=arch,
         )
+    if dims.pp_enabled:
+        check_pipeline(model, config, dims, name)
 
 
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:

@@ -53,6 +53,7 @@ _TABLES = {
     "distlm/backends/hardware.py": {"PEAK_TFLOPS"},
     "distlm/config.py": {"ROPE_SCALING_TYPES"},
     "distlm/memory.py": {"ZERO_STAGES"},
+    "distlm/parallel/pipeline.py": {"SCHEDULES"},
 }
 
 

@@ -86,3 +86,29 @@ def test_meshes_on_real_gloo_ranks(world, tp, expected):
     groups = run_distributed(groups_on_real_ranks, world, tp)
     assert [(g["dp"], g["tp"]) for g in groups] == expected
     assert all(g["coordinates"] for g in groups)
+
+
+def test_pipeline_axis_is_outermost_with_the_fake_process_group():
+    """pp x dp x tp = 4 x 2 x 8 at 64 ranks: a stage is 16 consecutive ranks, its pipeline
+    peers a stride of 16 apart, and the coordinates agree with the mesh."""
+    store = FakeStore()
+    for rank in (0, 21, 63):
+        dist.init_process_group("fake", store=store, rank=rank, world_size=64)
+        try:
+            dims = ParallelDims(world_size=64, tp=8, pp=4)
+            mesh = dims.build_mesh("cpu")
+            assert mesh.mesh_dim_names == ("pp", "dp", "tp") and tuple(mesh.shape) == (4, 2, 8) and dims.dp == 2
+            assert dist.get_process_group_ranks(dims.pp_group("cpu")) == list(range(rank % 16, 64, 16))
+            assert dist.get_process_group_ranks(dims.dp_group("cpu")) == [rank // 16 * 16 + rank % 8 + 8 * i
+                                                                          for i in range(2)]
+            assert dims.pp_rank(rank) == mesh["pp"].get_local_rank() == rank // 16
+            assert dims.coordinates(rank) == (mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank())
+        finally:
+            dist.destroy_process_group()
+
+
+def test_pipeline_degree_must_divide_the_world():
+    with pytest.raises(UsageError, match="--pp-degree 3 x --dp-degree 1 x --tp-degree 2 = 6, but the world size is 4"):
+        ParallelDims(world_size=4, dp=1, tp=2, pp=3)
+    with pytest.raises(UsageError, match="--tp-degree 2 x --pp-degree 3 does not divide the world size 4"):
+        ParallelDims(world_size=4, tp=2, pp=3)

@@ -28,6 +28,12 @@ CONTRACT: dict[str, tuple[bool, str]] = {
     "tp_divisible": (False, "config fields the tensor-parallel degree must divide"),
     "tp_kv_heads": (False, "the config field counting the key/value heads of colwise_kv projections; the "
                            "tensor-parallel degree must divide it or be a multiple of it"),
+    "embed": (False, "for --pp-degree: forward in three parts, head(blocks(embed(ids), *block_args(ids)))"),
+    "block_args": (False, "for --pp-degree: the extra inputs every block takes, from the input ids"),
+    "head": (False, "for --pp-degree: the last part of forward, from the blocks' output to logits"),
+    "embed_modules": (False, "for --pp-degree: the top-level modules embed uses (a module that head uses too "
+                             "is a tied weight, kept on the first and the last stage)"),
+    "head_modules": (False, "for --pp-degree: the top-level modules head uses"),
 }
 """Member -> (required, what it is)."""
 

@@ -343,16 +343,36 @@ class LlamaCausalLM(TransformerLM):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]``; position t sees tokens 0..t only."""
+        x = self.embed(input_ids)
+        block_args = self.block_args(input_ids)
+        for layer in self.layers:
+            x = layer(x, *block_args)
+        return self.head(x)
+
+    # The three parts of forward, which a pipeline stage runs separately (see the model contract).
+    embed_modules: tuple[str, ...] = ("tok_embeddings",)
+
+    @property
+    def head_modules(self) -> tuple[str, ...]:
+        return ("norm", "tok_embeddings") if self.output is None else ("norm", "output")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first block."""
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(
                 f"input has {seq_len} tokens but the model accepts at most "
                 f"max_seq_len={self.config.max_seq_len}"
             )
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        x = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        return self.tok_embeddings(input_ids)
+
+    def block_args(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides the residual stream: the rotary tables."""
+        seq_len = input_ids.shape[1]
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from the last block's output."""
         x = self.norm(x)
         if self.output is None:
             return F.linear(x, self.tok_embeddings.weight)

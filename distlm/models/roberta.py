@@ -208,6 +208,25 @@ class RobertaMaskedLM(TransformerLM):
         ``has_padding``: whether ``input_ids`` holds padding, when the caller knows (None:
         find out, which waits for the device).
         """
+        if has_padding is None:
+            has_padding = bool(input_ids.eq(self.config.padding_idx).any())
+        x = self.embed(input_ids, has_padding)
+        block_args = self.block_args(input_ids, has_padding)
+        for layer in self.layers:
+            x = layer(x, *block_args)
+        if masked_positions is not None:
+            x = x.flatten(0, 1).index_select(0, masked_positions)
+        elif masked_tokens is not None:
+            x = x[masked_tokens]
+        return self.head(x)
+
+    # The three parts of forward, which a pipeline stage runs separately (see the model
+    # contract). The head projects onto embed_tokens.weight, so both ends hold it.
+    embed_modules: tuple[str, ...] = ("embed_tokens", "embed_positions", "emb_layer_norm")
+    head_modules: tuple[str, ...] = ("lm_head", "embed_tokens")
+
+    def embed(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> torch.Tensor:
+        """The residual stream entering the first block (zero at padding)."""
         seq_len = input_ids.shape[1]
         if seq_len > self.config.max_positions:
             raise ValueError(
@@ -218,19 +237,20 @@ class RobertaMaskedLM(TransformerLM):
         padding_mask = input_ids.eq(pad)
         x = self.embed_tokens(input_ids) + self.embed_positions(make_positions(input_ids, pad))
         x = self.dropout(self.emb_layer_norm(x))
-
         # Packed samples usually have no padding; skipping the mask then lets SDPA use
         # its fused kernels (a mask rules out flash attention on GPU).
-        attn_mask = None
         if has_padding if has_padding is not None else padding_mask.any():
             x = x * (~padding_mask).unsqueeze(-1).type_as(x)
-            # SDPA's boolean mask means "may attend"; broadcast over heads and queries.
-            attn_mask = (~padding_mask)[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, attn_mask)
+        return x
 
-        if masked_positions is not None:
-            x = x.flatten(0, 1).index_select(0, masked_positions)
-        elif masked_tokens is not None:
-            x = x[masked_tokens]
+    def block_args(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> tuple[torch.Tensor | None]:
+        """What every block takes besides the residual stream: the attention mask (None without padding)."""
+        padding_mask = input_ids.eq(self.config.padding_idx)
+        if not (has_padding if has_padding is not None else padding_mask.any()):
+            return (None,)
+        # SDPA's boolean mask means "may attend"; broadcast over heads and queries.
+        return ((~padding_mask)[:, None, None, :],)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from the last block's output (of the positions the caller kept)."""
         return self.lm_head(x, self.embed_tokens.weight)

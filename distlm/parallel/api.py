@@ -1,6 +1,6 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
-The order is: tensor parallel, then compilation of each block, then activation
+The order is: pipeline stages (cut from the model's blocks, parallel/pipeline.py), tensor parallel, then compilation of each block, then activation
 checkpointing around the compiled blocks, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
 code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
@@ -27,6 +27,7 @@ from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
 from distlm.parallel.full_state import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
+from distlm.parallel.pipeline import PipelineOptions, cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
 
 logger = logging.getLogger("distlm")
@@ -53,6 +54,8 @@ class ParallelOptions:
     """Compile each block with this torch.compile backend (inductor, neuron, openxla); None: eager."""
     foreach_clip: bool | None = True
     """foreach value of gradient clipping: None where the device has no foreach kernels (XLA)."""
+    pipeline: PipelineOptions = PipelineOptions()
+    """Schedule, micro-batches, stages per rank and split, used when the layout has pp > 1."""
 
 
 def parallelize(
@@ -72,18 +75,15 @@ def parallelize(
     will load the parameters).
     """
     mesh = dims.build_mesh(device.type)
-    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled
+    sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     if sharded and whole_model is None and fill_shards is None and dims.world_size > 1:
         # A model built on every rank (the user's own) is cut into shards in place: each
         # rank must hold rank 0's weights first, or the shards would be of different models.
         broadcast_from_rank0(model)
-    if dims.tp_enabled:
-        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
-                         compiled=options.compile_backend is not None)
-    if options.compile_backend is not None:
-        apply_compile(model, options.compile_backend)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    stages = cut_stages(model, dims, options.pipeline) if dims.pp_enabled else None
+    model = apply_layer_transforms(model, dims, mesh, options)
+    if stages is not None:
+        return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
@@ -128,6 +128,19 @@ def parallelize(
         foreach_clip=options.foreach_clip,
     )
     return model, handle
+
+
+def apply_layer_transforms(model: nn.Module, dims: ParallelDims, mesh, options: ParallelOptions) -> nn.Module:
+    """Tensor parallel, then compile of each block, then activation checkpointing around the
+    compiled blocks (the other order fails under TP in torch 2.13)."""
+    if dims.tp_enabled:
+        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
+                         compiled=options.compile_backend is not None)
+    if options.compile_backend is not None:
+        apply_compile(model, options.compile_backend)
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    return model
 
 
 @torch.no_grad()

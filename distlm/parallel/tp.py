@@ -259,13 +259,15 @@ def _styles(
                 raise UsageError(f"--sequence-parallel: tp_plan's sequence_region {name!r} of {type(model).__name__} "
                                  "must be a non-empty ModuleList; fix the model's tp_plan")
             rest = (None,) * (_positional_arity(blocks[0]) - 1)
+            # By key, not position: a pipeline stage keeps its blocks' single-device indices.
+            first, last = next(iter(blocks._modules)), list(blocks._modules)[-1]
             # Replicate -> Shard is a local slice (its backward an all-gather).
-            plan[f"{name}.0"] = PrepareModuleInput(
+            plan[f"{name}.{first}"] = PrepareModuleInput(
                 input_layouts=(Replicate(), *rest), desired_input_layouts=(Shard(1), *rest), use_local_output=True
             )
             # The last block may also be the first, so its output side is applied in a
             # second pass (a plan holds one style per module).
-            later.append((f"{name}.{len(blocks) - 1}", PrepareModuleOutput(
+            later.append((f"{name}.{last}", PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
             )))
     return plan, later

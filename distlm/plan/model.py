@@ -55,7 +55,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_SCHEDULES, STRATEGIES
+from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, STRATEGIES
 from distlm.errors import UsageError
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.plan.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
@@ -893,10 +893,6 @@ def fsdp_micro_batch(
 
 # ------------------------------------------------------------------ pipeline parallel
 
-# Schedules whose ranks each run several stages (the looped, or interleaved, schedules).
-LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
-
-
 def pipeline_microbatches(workload: Workload, layout: Layout) -> int:
     """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
     return workload.pp_microbatches or 2 * layout.pp
@@ -1055,13 +1051,13 @@ def validate_pipeline(workload: Workload, layout: Layout) -> None:
     if workload.pp_schedule not in PP_SCHEDULES:
         raise UsageError(f"--pp-schedule {workload.pp_schedule} is unknown; choose one of {', '.join(PP_SCHEDULES)}")
     v, m = stages_per_rank(workload), pipeline_microbatches(workload, layout)
-    looped = workload.pp_schedule in LOOPED_SCHEDULES
+    looped = workload.pp_schedule in PP_LOOPED_SCHEDULES
     if looped and v < 2:
         raise UsageError(f"--pp-schedule {workload.pp_schedule} runs several stages per rank; "
                          "set --pp-stages-per-rank 2 or more")
     if not looped and v != 1:
         raise UsageError(f"--pp-stages-per-rank {v} needs a looped schedule "
-                         f"({', '.join(LOOPED_SCHEDULES)}); --pp-schedule {workload.pp_schedule} runs one stage per rank")
+                         f"({', '.join(PP_LOOPED_SCHEDULES)}); --pp-schedule {workload.pp_schedule} runs one stage per rank")
     if workload.pp_schedule == "zbv" and v != 2:
         raise UsageError(f"--pp-schedule zbv runs 2 stages per rank in a V; drop --pp-stages-per-rank {v}")
     blocks = workload.shape.n_layers

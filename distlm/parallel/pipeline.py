@@ -1,0 +1,538 @@
+"""Pipeline parallelism: stages cut from the single-device model along its blocks, run by
+torch.distributed.pipelining's schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble, ZBV).
+
+Each rank keeps the single-device model with only its own blocks (under their single-device
+names, ``layers.5`` stays ``layers.5``), the embedding if it runs the first stage, and the
+final norm and head if it runs the last. The model's forward is split by the contract's
+``embed``, ``block_args`` and ``head``; a ``StageChunk`` runs one stage's part of it and is
+what DDP or FSDP wraps and what a ``PipelineStage`` drives. The optimizer, clipping and
+checkpoints see the pruned model, so checkpoints keep the names of every other layout.
+
+Between stages travel the residual stream and the input ids (each stage recomputes the
+blocks' extra inputs, such as an attention mask, from the ids). A tied embedding lives on
+the first and the last stage, one copy each, equal at the start; their gradients are summed
+between the two after every update's backward (Megatron's embedding group), so the copies
+stay bit-identical. The loss exists on the last stage; its sum is reduced over the pipeline
+so every rank logs, validates and checks the same number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining.schedules import _ComputationType
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES
+from distlm.data.masking import IGNORE_INDEX
+from distlm.errors import UsageError
+from distlm.loss import summed_token_loss
+from distlm.mesh import ParallelDims
+from distlm.models.contract import model_blocks
+from distlm.parallel.handle import DataParallelHandle
+from distlm.parallel.names import single_device_name
+from distlm.parallel.ddp import apply_ddp
+from distlm.parallel.fsdp import fsdp_dtypes
+from distlm.parallel.tp import _pattern_regex, local_value, shard_gradients_like_parameters
+
+logger = logging.getLogger("distlm")
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+PARTS = ("embed", "block_args", "head", "embed_modules", "head_modules")
+"""What a model declares so that its forward can be cut into stages (models/contract.py)."""
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    """0: twice the pipeline degree."""
+    stages_per_rank: int = 1
+    split: str | None = None
+
+
+def options_from_config(settings: Any) -> PipelineOptions:
+    """The pipeline fields of a ``DistributedConfig``."""
+    return PipelineOptions(settings.pp_schedule, settings.pp_microbatches, settings.pp_stages_per_rank,
+                           settings.pp_split)
+
+
+def microbatch_count(options: PipelineOptions, degree: int) -> int:
+    return options.microbatches or 2 * degree
+
+
+# --------------------------------------------------------------------- checks
+
+def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str) -> None:
+    """UsageError for a pipeline layout that cannot run (``model`` may be on meta)."""
+    settings, options = config.distributed, options_from_config(config.distributed)
+    degree, per_rank = dims.pp, options.stages_per_rank
+    blocks = model_blocks(model)
+    if blocks is None or len(blocks) == 0:
+        raise UsageError(f"--pp-degree cuts the model along its blocks, and {name} declares none "
+                         "(an nn.ModuleList `blocks`); drop --pp-degree or declare them")
+    missing = [part for part in PARTS if not hasattr(model, part)]
+    if missing:
+        raise UsageError(f"--pp-degree runs {name}'s forward in parts, and it lacks {', '.join(missing)} "
+                         "(see distlm/models/contract.py); drop --pp-degree or add them")
+    stages = degree * per_rank
+    if stages > len(blocks):
+        raise UsageError(f"--pp-degree {degree} x --pp-stages-per-rank {per_rank} = {stages} stages, but {name} "
+                         f"has {len(blocks)} blocks; use at most {len(blocks)} stages")
+    schedule = options.schedule
+    if schedule == "zbv" and per_rank != 2:
+        raise UsageError(f"--pp-schedule zbv runs exactly 2 stages per rank; set --pp-stages-per-rank 2 (got {per_rank})")
+    if schedule in PP_LOOPED_SCHEDULES and per_rank < 2:
+        raise UsageError(f"--pp-schedule {schedule} loops over several stages per rank; "
+                         "set --pp-stages-per-rank 2 or more, or use --pp-schedule 1f1b")
+    if schedule not in PP_LOOPED_SCHEDULES and per_rank > 1:
+        raise UsageError(f"--pp-schedule {schedule} runs one stage per rank; drop --pp-stages-per-rank "
+                         "or use interleaved-1f1b, zero-bubble or zbv")
+    count = microbatch_count(options, degree)
+    if count < degree:
+        raise UsageError(f"--pp-microbatches {count} is fewer than the --pp-degree {degree}; "
+                         "use at least as many micro-batches as stages")
+    if config.data.batch_size % count:
+        raise UsageError(f"--batch-size {config.data.batch_size} does not split into --pp-microbatches {count}; "
+                         "make the batch size a multiple of the micro-batches")
+    if schedule in PP_LOOPED_SCHEDULES and count % degree:
+        raise UsageError(f"--pp-schedule {schedule} wants --pp-microbatches a multiple of --pp-degree {degree}, "
+                         f"got {count}")
+    if settings.pp_split is not None:
+        parse_split(settings.pp_split, stages, len(blocks))
+    if settings.double_buffering or settings.comm_hook != "allreduce" or settings.comm_transport != "torch":
+        raise UsageError("--comm-hook/--double-buffering/--comm-transport do not compose with --pp-degree "
+                         "(the pipeline drives DDP's reducer itself); drop them")
+    if config.compile.compile and schedule in PP_ZERO_BUBBLE_SCHEDULES:
+        raise UsageError(f"--pp-schedule {schedule} splits backward into input and weight parts, which torch "
+                         "cannot do for compiled blocks; drop --compile or use interleaved-1f1b")
+    if settings.sequence_parallel and per_rank > 1 and "sequence_region" in getattr(model, "tp_plan", {}).values():
+        raise UsageError(f"--sequence-parallel shards {name}'s blocks as one sequence region, which a rank's "
+                         "several stages would split; use --pp-stages-per-rank 1 or drop --sequence-parallel")
+    tied = set(model.embed_modules) & set(model.head_modules)
+    if schedule == "zbv" and tied and dims.dp_enabled:
+        raise UsageError(f"--pp-schedule zbv puts the first and the last stage on one rank, where {name}'s tied "
+                         f"{', '.join(sorted(tied))} would be wrapped twice for data parallel; use interleaved-1f1b")
+
+
+def parse_split(text: str, stages: int, blocks: int) -> list[range]:
+    """``0:12,12:24`` as block ranges; UsageError unless they cover 0..blocks in order, one per stage."""
+    try:
+        ranges = [range(int(a), int(b)) for a, b in (part.split(":") for part in text.split(","))]
+    except ValueError:
+        raise UsageError(f"--pp-split {text!r} is not a list of START:END block ranges such as 0:12,12:24") from None
+    if len(ranges) != stages:
+        raise UsageError(f"--pp-split {text!r} gives {len(ranges)} stages, but the layout has {stages}; "
+                         "give one START:END per stage")
+    position = 0
+    for stage in ranges:
+        if stage.start != position or len(stage) < 1:
+            raise UsageError(f"--pp-split {text!r}: the ranges must be non-empty and follow each other from 0")
+        position = stage.stop
+    if position != blocks:
+        raise UsageError(f"--pp-split {text!r} ends at block {position}, but the model has {blocks} blocks")
+    return ranges
+
+
+def balanced_split(model: nn.Module, stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage, minimising the largest stage's parameter count
+    (the embedding counts on the first stage, the head on the last)."""
+    sizes = [sum(p.numel() for p in block.parameters()) for block in model_blocks(model)]
+    first = _part_size(model, model.embed_modules)
+    last = _part_size(model, model.head_modules)
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+
+    def cost(stage: int, start: int, stop: int) -> int:
+        return prefix[stop] - prefix[start] + (first if stage == 0 else 0) + (last if stage == stages - 1 else 0)
+
+    # best[s][i]: the smallest largest-stage cost of the first i blocks in s stages.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        bounds.append(range(cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def _part_size(model: nn.Module, names: tuple[str, ...]) -> int:
+    params = {id(p): p for name in names if getattr(model, name, None) is not None
+              for p in getattr(model, name).parameters()}
+    return sum(p.numel() for p in params.values())
+
+
+def stages_of_rank(pp_rank: int, degree: int, per_rank: int, schedule: str) -> list[int]:
+    """The stage indices a rank runs: looped (r, r + P, ...) or, for zbv, the V shape (r, 2P - 1 - r)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * degree - 1 - pp_rank]
+    return [pp_rank + k * degree for k in range(per_rank)]
+
+
+# ----------------------------------------------------------------- the stages
+
+class StageBlocks(nn.ModuleList):
+    """A stage's blocks under their single-device indices (``layers.5`` stays ``layers.5``),
+    indexed by position as a ModuleList is."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def _key(self, idx: int) -> str:
+        return list(self._modules)[idx]
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return list(self._modules.values())[idx]
+        return self._modules[self._key(idx)]
+
+    def __setitem__(self, idx: int, module: nn.Module) -> None:
+        setattr(self, self._key(idx), module)
+
+
+class StageChunk(nn.Module):
+    """One stage: the embedding (first stage), some blocks, the head (last stage).
+
+    It registers only its own parts, so DDP or FSDP wrapped around it hold exactly this
+    stage's parameters; the model itself (whose ``embed``, ``block_args`` and ``head`` it
+    calls) is kept unregistered.
+    """
+
+    def __init__(self, model: nn.Module, block_indices: range, first: bool, last: bool, parts: tuple[str, ...]):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self.first, self.last = first, last
+        self.parts = nn.ModuleDict({name: getattr(model, name) for name in parts})
+        blocks = model_blocks(model)
+        by_index = dict(zip((int(key) for key in blocks._modules), blocks))
+        self.blocks = nn.ModuleList(by_index[index] for index in block_indices)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
+        model = self._model
+        if self.first:
+            input_ids, x = x, model.embed(x)
+        block_args = model.block_args(input_ids)
+        for block in self.blocks:
+            x = block(x, *block_args)
+        return model.head(x) if self.last else (x, input_ids)
+
+
+def cut_model(model: nn.Module, keep: list[range], first: bool, last: bool) -> nn.Module:
+    """``model`` in place, left with the blocks of ``keep`` and the embedding and head its stages need."""
+    blocks = model_blocks(model)
+    attribute = next(name for name, child in model.named_children() if child is blocks)
+    kept = {index: blocks[index] for stage in keep for index in stage}
+    setattr(model, attribute, StageBlocks(dict(sorted(kept.items()))))
+    needed = set(model.embed_modules if first else ()) | set(model.head_modules if last else ())
+    for name in set(model.embed_modules) | set(model.head_modules):
+        if name not in needed:
+            setattr(model, name, None)
+    plan = getattr(model, "tp_plan", None)
+    if plan:
+        # A stage keeps the tensor-parallel plan entries of the modules it holds.
+        names = [name for name, _ in model.named_modules() if name]
+        model.tp_plan = {pattern: style for pattern, style in plan.items()
+                         if any(_pattern_regex(pattern).match(name) for name in names)}
+    return model
+
+
+# ----------------------------------------------------------------- the runner
+
+class PipelineRunner:
+    """Runs a rank's stages through one schedule for training and another, forward only,
+    for validation; owns the tied-embedding group and the pipeline's loss reduction."""
+
+    def __init__(self, model: nn.Module, chunks: list[nn.Module], stage_ids: list[int], dims: ParallelDims,
+                 device: torch.device, options: PipelineOptions, tied: list[nn.Parameter],
+                 tied_group: dist.ProcessGroup | None):
+        self.model, self.dims, self.device = model, dims, device
+        self.options = options
+        self.group = dims.pp_group(device.type)
+        self.stage_count = dims.pp * options.stages_per_rank
+        self.microbatches = microbatch_count(options, dims.pp)
+        self.holds_first = 0 in stage_ids
+        self.holds_last = self.stage_count - 1 in stage_ids
+        self.tied, self.tied_group = tied, tied_group
+        self.padding_idx = model.padding_idx
+        self._factor: torch.Tensor | float = 1.0
+        self._losses: list[torch.Tensor] = []
+        self.train_schedule = self._schedule(chunks, stage_ids, options.schedule, self._scaled_loss)
+        # Validation batches have their own shape: stages of their own, forward only.
+        eval_name = "gpipe" if options.schedule not in PP_LOOPED_SCHEDULES else options.schedule
+        self.eval_schedule = self._schedule(chunks, stage_ids, eval_name, self._scaled_loss)
+        if eval_name == "zbv":
+            # torch 2.13's zbv still hands gradients between a rank's two stages when run
+            # forward only (eval() fails); its own order without the backward actions does not.
+            forward = {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+                       _ComputationType.UNSHARD, _ComputationType.RESHARD}
+            orders = self.eval_schedule.pipeline_order_with_comms
+            for rank, actions in orders.items():
+                orders[rank] = [action for action in actions if action.computation_type in forward]
+
+    def _schedule(self, chunks, stage_ids, name: str, loss_fn: Callable):
+        stages = [PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
+                  for chunk, index in zip(chunks, stage_ids)]
+        cls = SCHEDULES[name]
+        if name in PP_LOOPED_SCHEDULES:
+            return cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = summed_token_loss(logits, targets)
+        self._losses.append(local_value(loss.detach()).double())
+        return loss * self._factor
+
+    def _run(self, schedule, batch: dict[str, torch.Tensor], forward_only: bool) -> None:
+        args = (batch["input_ids"],) if self.holds_first else ()
+        target = batch["targets"] if self.holds_last else None
+        if forward_only:
+            schedule.eval(*args, target=target)
+        else:
+            schedule.step(*args, target=target, return_outputs=False)
+
+    def _loss_sum(self) -> torch.Tensor:
+        """The summed loss of the last stage's micro-batches, on every rank of the pipeline (collective)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in self._losses:
+            total += loss
+        self._losses = []
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]], factor: torch.Tensor,
+                         autocast: Callable) -> torch.Tensor:
+        """Forward and backward of whole pipeline passes, one per ``--update-freq`` batch, each
+        micro-batch's loss multiplied by ``factor``; returns the summed (unscaled) loss."""
+        self._factor = factor.reshape(())  # a scalar: it may meet a tensor-parallel (DTensor) loss
+        for batch in batches:
+            with autocast():
+                self._run(self.train_schedule, batch, forward_only=False)
+        self.sum_tied_gradients()
+        return self._loss_sum()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The summed loss of ``batch`` run forward through the pipeline (collective over pp)."""
+        rows = batch["input_ids"].shape[0]
+        extra = -rows % self.microbatches
+        if extra:  # rows of padding with nothing to predict, so the micro-batches split evenly
+            batch = dict(batch)
+            batch["input_ids"] = torch.cat([batch["input_ids"], batch["input_ids"].new_full(
+                (extra, batch["input_ids"].shape[1]), self.padding_idx)])
+            batch["targets"] = torch.cat([batch["targets"], batch["targets"].new_full(
+                (extra, batch["targets"].shape[1]), IGNORE_INDEX)])
+        self._factor = 1.0
+        self._run(self.eval_schedule, batch, forward_only=True)
+        return self._loss_sum()
+
+    @torch.no_grad()
+    def sum_tied_gradients(self) -> None:
+        """The first and the last stage's copies of a tied weight receive the sum of both gradients."""
+        if self.tied_group is None:
+            return
+        for param in self.tied:
+            grad = param.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
+
+    def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` without the last stage's copies of tied weights (the first stage's count)."""
+        if self.tied_group is None or not self.holds_last:
+            return params
+        duplicates = {id(p) for p in self.tied}
+        return [p for p in params if id(p) not in duplicates]
+
+
+@dataclass
+class PipelineHandle(DataParallelHandle):
+    """The data-parallel handle of one pipeline stage: clipping and the finite check see the
+    gradient norm of the whole model, reduced over the pipeline."""
+
+    runner: PipelineRunner | None = None
+
+    def gradient_sync(self, enabled: bool):
+        return contextlib.nullcontext()  # the schedule drives DDP's and FSDP's reduction itself
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with self.mixed_placements():
+            groups: dict[Any, list[torch.Tensor]] = {}
+            for p in params:
+                groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+            counted = {id(p) for p in self.runner.counted_once(params)}
+            squares = torch.zeros((), dtype=torch.float32, device=self.runner.device)
+            for group in groups.values():
+                grads = [p.grad for p in group if id(p) in counted]
+                if grads:
+                    squares += local_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=self.foreach_clip)
+                                           ).float() ** 2
+            dist.all_reduce(squares, group=self.runner.group)
+            total = squares.sqrt()
+            if max_norm != float("inf"):
+                for group in groups.values():
+                    torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=self.foreach_clip)
+        return total
+
+
+# ------------------------------------------------------------- parallelising
+
+@dataclass
+class StageLayout:
+    """Which stages this rank runs and what their chunks hold, fixed when the model is cut."""
+
+    model: nn.Module
+    """The single-device model left with this rank's blocks, embedding and head."""
+    ranges: list[range]
+    """Every stage's blocks."""
+    stage_ids: list[int]
+    """This rank's stages."""
+    embed_modules: tuple[str, ...]
+    head_modules: tuple[str, ...]
+    on_meta: bool
+
+    @property
+    def stage_count(self) -> int:
+        return len(self.ranges)
+
+
+def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineOptions) -> StageLayout:
+    """``model`` cut down to this rank's stages, before tensor parallel and the rest apply."""
+    stage_count = dims.pp * pipeline.stages_per_rank
+    blocks = len(model_blocks(model))
+    ranges = (parse_split(pipeline.split, stage_count, blocks) if pipeline.split
+              else balanced_split(model, stage_count))
+    stage_ids = stages_of_rank(dims.pp_rank(dist.get_rank()), dims.pp, pipeline.stages_per_rank, pipeline.schedule)
+    layout = StageLayout(model, ranges, stage_ids, tuple(model.embed_modules), tuple(model.head_modules),
+                         on_meta=any(p.is_meta for p in model.parameters()))
+    cut_model(model, [ranges[s] for s in stage_ids], 0 in stage_ids, stage_count - 1 in stage_ids)
+    return layout
+
+
+def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.device, options: Any,
+                       pipeline: PipelineOptions, whole_model: Callable[[], nn.Module] | None,
+                       fill_shards: Callable[[nn.Module], None] | None) -> tuple[nn.Module, PipelineHandle]:
+    """FSDP or DDP around each of this rank's stage chunks (their layers already transformed),
+    the weights, and the schedules; the pruned model and its handle."""
+    model, ranges, stage_ids, last_stage = layout.model, layout.ranges, layout.stage_ids, layout.stage_count - 1
+    mesh = dims.build_mesh(device.type)
+    chunks = [StageChunk(model, ranges[s], s == 0, s == last_stage,
+                         (layout.embed_modules if s == 0 else ()) + (layout.head_modules if s == last_stage else ()))
+              for s in stage_ids]
+    fsdp = dims.strategy == "fsdp" and dims.dp_enabled
+    param_dtype = reduce_dtype = None
+    if fsdp:
+        param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
+        chunks = [_shard_chunk(chunk, mesh["dp"], param_dtype, reduce_dtype) for chunk in chunks]
+    elif dims.dp_enabled and dims.tp_enabled:
+        for chunk in chunks:
+            for block in chunk.blocks:
+                replicate(block, mesh=mesh["dp"])
+            replicate(chunk, mesh=mesh["dp"])
+    if layout.on_meta:
+        _materialise_stage(model, chunks, device, whole_model, fill_shards)
+        if dims.tp_enabled:
+            shard_gradients_like_parameters(model)
+    if dims.dp_enabled and not fsdp and not dims.tp_enabled:
+        chunks = [apply_ddp(chunk, device, dims.dp_group(device.type), options.bucket_cap_mb) for chunk in chunks]
+    tied_names = sorted(set(layout.embed_modules) & set(layout.head_modules))
+    tied = [p for name in tied_names if getattr(model, name, None) is not None
+            for p in getattr(model, name).parameters()]
+    tied_group = _tied_group(dims, mesh, pipeline.schedule) if tied_names else None
+    runner = PipelineRunner(model, chunks, stage_ids, dims, device, pipeline, tied, tied_group)
+    logger.info("applied pipeline parallel: %d stages over %d ranks (%s, %d micro-batches), blocks %s",
+                layout.stage_count, dims.pp, pipeline.schedule, runner.microbatches,
+                ",".join(f"{r.start}:{r.stop}" for r in ranges))
+    handle = PipelineHandle(
+        model=model, dims=dims, dp_group=dims.dp_group(device.type),
+        shards_optimizer_state=dims.strategy == "zero1" and dims.dp_enabled,
+        mixed_precision_by_strategy=fsdp and param_dtype is not None,
+        sync_bucket_mb=options.bucket_cap_mb, foreach_clip=options.foreach_clip, runner=runner,
+    )
+    return model, handle
+
+
+def _shard_chunk(chunk: StageChunk, dp_mesh, param_dtype, reduce_dtype) -> nn.Module:
+    """FSDP2 per block, then the stage's own embedding and head as its root unit."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in chunk.blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    return fully_shard(chunk, mesh=dp_mesh, mp_policy=policy)
+
+
+@torch.no_grad()
+def _materialise_stage(model: nn.Module, chunks: list[nn.Module], device: torch.device,
+                       whole_model: Callable[[], nn.Module] | None,
+                       fill_shards: Callable[[nn.Module], None] | None) -> None:
+    """Allocate the stage's shards and fill them: from ``whole_model()``, which every rank
+    builds for itself (the same seed gives the same weights, and no rank waits for
+    another's stage), or in place by ``fill_shards``. Through each chunk, so FSDP's
+    bookkeeping follows the new storage."""
+    for chunk in chunks:
+        chunk.to_empty(device=device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+    if fill_shards is not None:
+        fill_shards(model)
+        return
+    if whole_model is None:
+        return
+    whole = whole_model()
+    source = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        value = source[single_device_name(name)].to(device)
+        if isinstance(tensor, DTensor):
+            value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            tensor = tensor.to_local()
+        tensor.copy_(value)
+    logger.info("materialised each pipeline stage from the seed's whole model")
+
+
+def _tied_group(dims: ParallelDims, mesh, schedule: str) -> dist.ProcessGroup | None:
+    """The two ranks (same dp and tp coordinates) holding the first and the last stage; None
+    where one rank holds both (zbv), whose stages then share the one parameter."""
+    if schedule == "zbv":
+        return None
+    grid = mesh.mesh  # ranks, shaped (pp, dp, tp)
+    mine = None
+    for d in range(dims.dp):
+        for t in range(dims.tp):
+            ranks = [int(grid[0, d, t]), int(grid[dims.pp - 1, d, t])]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+    return mine
