@@ -342,9 +342,9 @@ def test_a_start_resolves_the_model_once(data_dir, tmp_path, monkeypatch):
     context; the trainer builds from that one, never resolving the settings again."""
     calls = []
 
-    def counted(settings):
+    def counted(settings, tokens_per_sample=None):
         calls.append(settings.arch)
-        return resolve_model_spec(settings)
+        return resolve_model_spec(settings, tokens_per_sample)
 
     monkeypatch.setattr(validation, "resolve_model_spec", counted)
     monkeypatch.setattr(trainer_module, "resolve_model_spec", counted)
