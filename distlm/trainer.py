@@ -71,12 +71,13 @@ class Trainer:
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
-        vocab = len(dictionary) if dictionary is not None else 0
-        with naming_out_of_memory("building the model", lambda: self._state_need(
-                model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
+        # The model is allocated here; the allocator's error becomes one line with the need.
+        with naming_out_of_memory("building the model", lambda: self._state_need(model if model is not None else (
+                self.spec.build(len(dictionary) if dictionary is not None else 0, self.pad_id))), BUILD_REMEDY):
             build = build_model_for_run(
-                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
-                config.seed, model, weights_from_checkpoint=resume is not None,
+                self.spec, len(dictionary) if dictionary is not None else 0, self.pad_id,
+                self.ctx.dims, self.ctx.device, self.precision.param_dtype, config.seed, model,
+                weights_from_checkpoint=resume is not None,
             )
             self.model_inputs = ModelInputs.of(build.model, self.task)
             self.fixed_length = config.data.tokens_per_sample if (
@@ -125,13 +126,19 @@ class Trainer:
                               self.config.data.num_workers, self.fixed_length, self.model_inputs.masked_positions)
 
     def fit(self) -> dict[str, Any]:
+        self.stop.install()  # before the data workers start: they ignore the stop signals
+        try:
+            return self._fit()
+        finally:
+            self.stop.restore()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
         printer = Printer(cfg.logging.log_format, cfg.optim.max_update or None, self.ctx.is_main)
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
-        self.stop.install()  # before the data workers start: they ignore the stop signals
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
@@ -146,21 +153,18 @@ class Trainer:
                     compiling = None
         finally:
             printer.close()
-        try:
-            with self.ctx.naming_failed_collectives(self.progress.num_updates):
-                self.handle.wait_pending()
-                self.checkpointer.wait()
-                final = {**self.summary, "update": self.progress.num_updates,
-                         "consumed_samples": self.progress.consumed_samples,
-                         "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
-                         "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
-                if self.stop.agreed:
-                    final["stopped_by"] = self.stop.describe()
-                printer.log(final, kind="summary")
-                self.checkpointer.announce_last()
-                self.ctx.close()
-        finally:
-            self.stop.restore()
+        with self.ctx.naming_failed_collectives(self.progress.num_updates):
+            self.handle.wait_pending()
+            self.checkpointer.wait()
+            final = {**self.summary, "update": self.progress.num_updates,
+                     "consumed_samples": self.progress.consumed_samples,
+                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                     "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
+            if self.stop.agreed:
+                final["stopped_by"] = self.stop.describe()
+            printer.log(final, kind="summary")
+            self.checkpointer.announce_last()
+            self.ctx.close()
         return final
 
     def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Printer) -> bool:
