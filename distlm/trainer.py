@@ -80,6 +80,7 @@ class Trainer:
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
         vocabulary = choose_vocabulary(self.spec, dictionary, config.model) if model is None else None
         vocab = vocabulary.size if vocabulary else 0
+        # The model is allocated here; the allocator's error becomes one line with the need.
         with naming_out_of_memory("building the model", lambda: self._state_need(
                 model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
             build = build_model_for_run(
@@ -139,6 +140,13 @@ class Trainer:
                               self.config.data.num_workers, self.fixed_length, self.model_inputs.masked_positions)
 
     def fit(self) -> dict[str, Any]:
+        self.stop.install()  # before the data workers start: they ignore the stop signals
+        try:
+            return self._fit()
+        finally:
+            self.stop.restore()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.config
         printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
         stats = TrainStats(self.ctx.device, *mfu_inputs(
@@ -146,7 +154,6 @@ class Trainer:
             self.precision.autocast_dtype or self.precision.param_dtype,
             cfg.data.mask_prob if self.task == "masked_lm" else 1.0), self.ctx.world_size)
         self.summary: dict[str, Any] = {}
-        self.stop.install()  # before the data workers start: they ignore the stop signals
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
@@ -166,19 +173,16 @@ class Trainer:
         finally:
             printer.close()
             self.checkpointer.close()
-        try:
-            with self.ctx.naming_failed_collectives(self.progress.num_updates):
-                final = {**self.summary, "update": self.progress.num_updates,
-                         "consumed_samples": self.progress.consumed_samples,
-                         "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
-                         "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
-                if self.stop.agreed:
-                    final["stopped_by"] = self.stop.describe()
-                printer.log(final, kind="summary")
-                self.checkpointer.announce_last()
-                self.ctx.close()
-        finally:
-            self.stop.restore()
+        with self.ctx.naming_failed_collectives(self.progress.num_updates):
+            final = {**self.summary, "update": self.progress.num_updates,
+                     "consumed_samples": self.progress.consumed_samples,
+                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                     "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
+            if self.stop.agreed:
+                final["stopped_by"] = self.stop.describe()
+            printer.log(final, kind="summary")
+            self.checkpointer.announce_last()
+            self.ctx.close()
         return final
 
     def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Observer) -> bool:
