@@ -25,6 +25,8 @@ from distlm.builder import choose_vocabulary, describe_shape, resolve_model_spec
 from distlm.config import parse_args
 from distlm.data import load_lm_data, load_vocabulary
 from distlm.data.batches import with_host_facts
+from distlm.data.dictionary import MASK_SYMBOL
+from distlm.data.tokenizer import byte_dictionary, write_hf_tokenizer
 from distlm.errors import UsageError
 from distlm.models import LlamaCausalLM, LlamaConfig, build_model
 from distlm.plan.flops import flops_per_token
@@ -85,6 +87,22 @@ def test_vocabulary_explicit_padded_published_and_too_small(data_dir):
     # No data dictionary (a user's own data object): the published vocabulary.
     _, vocabulary = built(base)
     assert vocabulary.size == 50265 and "published" in vocabulary.source
+
+
+def test_data_tokenized_by_a_hugging_face_tokenizer_keeps_the_published_vocabulary(tmp_path):
+    """A tokenizer that fits the published vocabulary (as the published model's own does)
+    keeps its rows, so weights and ids stay the published model's; a from-scratch arch
+    without one takes the tokenizer's size."""
+    dictionary = byte_dictionary()
+    dictionary.add_symbol(MASK_SYMBOL)
+    write_hf_tokenizer(dictionary, tmp_path, "masked_lm")
+    small = ["--encoder-layers", "1", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+             "--encoder-attention-heads", "2"]
+    _, vocabulary = built([str(tmp_path), "--arch", "roberta_base", *small], str(tmp_path))
+    assert vocabulary.size == 50265
+    assert vocabulary.source == f"roberta_base's published vocabulary, as the data's tokenizer {tmp_path} has 261 ids"
+    _, vocabulary = built([str(tmp_path), "--arch", "roberta_tiny"], str(tmp_path))
+    assert (vocabulary.size, vocabulary.source) == (261, f"the data's tokenizer {tmp_path}")
 
 
 def test_torchtitan_llama3_debugmodel_as_flags_builds_its_parameters_and_rope():
