@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -22,11 +23,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlm.builder import choose_vocabulary, describe_shape, resolve_model_spec
-from distlm.config import parse_args
+from distlm.config import ARCH_FLAGS, SHARED_ARCH_FLAGS, parse_args
 from distlm.data import load_lm_data, load_vocabulary
 from distlm.data.batches import with_host_facts
+from distlm.data.dictionary import MASK_SYMBOL
+from distlm.data.tokenizer import byte_dictionary, write_hf_tokenizer
 from distlm.errors import UsageError
-from distlm.models import LlamaCausalLM, LlamaConfig, build_model
+from distlm.models import LlamaCausalLM, LlamaConfig, RobertaConfig, build_model
 from distlm.plan.flops import flops_per_token
 
 FAIRSEQ_RECORD = json.loads((Path(__file__).parent / "fixtures" / "fairseq_roberta_params.json").read_text())
@@ -85,6 +88,22 @@ def test_vocabulary_explicit_padded_published_and_too_small(data_dir):
     # No data dictionary (a user's own data object): the published vocabulary.
     _, vocabulary = built(base)
     assert vocabulary.size == 50265 and "published" in vocabulary.source
+
+
+def test_data_tokenized_by_a_hugging_face_tokenizer_keeps_the_published_vocabulary(tmp_path):
+    """A tokenizer that fits the published vocabulary (as the published model's own does)
+    keeps its rows, so weights and ids stay the published model's; a from-scratch arch
+    without one takes the tokenizer's size."""
+    dictionary = byte_dictionary()
+    dictionary.add_symbol(MASK_SYMBOL)
+    write_hf_tokenizer(dictionary, tmp_path, "masked_lm")
+    small = ["--encoder-layers", "1", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+             "--encoder-attention-heads", "2"]
+    _, vocabulary = built([str(tmp_path), "--arch", "roberta_base", *small], str(tmp_path))
+    assert vocabulary.size == 50265
+    assert vocabulary.source == f"roberta_base's published vocabulary, as the data's tokenizer {tmp_path} has 261 ids"
+    _, vocabulary = built([str(tmp_path), "--arch", "roberta_tiny"], str(tmp_path))
+    assert (vocabulary.size, vocabulary.source) == (261, f"the data's tokenizer {tmp_path}")
 
 
 def test_torchtitan_llama3_debugmodel_as_flags_builds_its_parameters_and_rope():
@@ -158,3 +177,13 @@ def test_flops_per_token_match_flop_counter_on_real_batches(arch, task):
         # Without masked positions the head runs at every position: then 1 is right.
         measured = measured_flops_per_token(model, batch, masked=False)
     assert flops_per_token(model, seq_len, 1.0) == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("family, config_class", [("llama", LlamaConfig), ("roberta", RobertaConfig)])
+def test_every_model_config_field_has_a_flag(family, config_class):
+    """What the Python API accepts, the command line does: each field is set by a flag of
+    its family or a shared one, except the padding id, which the data's dictionary fixes."""
+    set_by_flags = {field for flag_family, field in ARCH_FLAGS.values() if flag_family == family}
+    set_by_flags |= {fields[family] for fields in SHARED_ARCH_FLAGS.values()}
+    set_by_flags.add("vocab_size")  # --vocab-size, through choose_vocabulary
+    assert set_by_flags == {f.name for f in dataclasses.fields(config_class)} - {"padding_idx"}
