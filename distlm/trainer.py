@@ -76,8 +76,7 @@ class Trainer:
         """Batches padded to this length, so compiled or traced graphs (and pipeline stages) see one shape."""
         self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                               parallel_options(config, self.ctx), build.whole_model, build.fill_shards)
-        self.pipeline = getattr(self.handle, "runner", None)
-        """The pipeline's schedules (parallel/pipeline.py) when the layout has pp > 1."""
+        self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx, self.data, self.model, self.spec if resume is None else None, config.seed)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
@@ -224,8 +223,7 @@ class Trainer:
         if self.pipeline is not None:  # whole pipeline passes; the loss arrives from the last stage
             with self.handle.loss_context():
                 loss_sum = self.pipeline.forward_backward(tensors, factor, self._autocast)
-            tensors = []
-        for i, batch in enumerate(tensors):
+        for i, batch in enumerate(tensors if self.pipeline is None else []):
             with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
                 with self._autocast():
                     loss = self.compute_loss(batch)
