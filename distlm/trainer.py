@@ -94,8 +94,7 @@ class Trainer:
             self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
                                                   parallel_options(config, self.ctx), build.whole_model,
                                                   build.fill_shards)
-        self.pipeline = getattr(self.handle, "runner", None)
-        """The pipeline's schedules (parallel/pipeline.py) when the layout has pp > 1."""
+        self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
@@ -275,8 +274,7 @@ class Trainer:
         if self.pipeline is not None:  # whole pipeline passes; the loss arrives from the last stage
             with self.handle.loss_context():
                 loss_sum = self.pipeline.forward_backward(tensors, factor, self._autocast)
-            tensors = []
-        for i, batch in enumerate(tensors):
+        for i, batch in enumerate(tensors if self.pipeline is None else []):
             with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
                 with self._autocast():
                     loss = self.compute_loss(batch)
