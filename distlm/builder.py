@@ -13,7 +13,6 @@ Otherwise every rank builds the whole model the same way (same seed, or the same
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,15 +24,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from distlm.config import ModelConfig, arch_overrides
 from distlm.data.dictionary import MASK_SYMBOL
-from distlm.memory import memory_report
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models import ARCHS, LlamaConfig, RobertaConfig
+from distlm.models import ARCHS
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.registry import FAMILIES, POSITIONS_FROM_SAMPLES
-from distlm.parallel.names import single_device_name, unwrap
+from distlm.parallel.names import single_device_name
 
-logger = logging.getLogger("distlm")
 
 # Settings that set sizes: --init-from-hf takes them from config.json, so they must agree.
 _SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size", "tie_word_embeddings")
@@ -292,53 +289,3 @@ def _local_region(param: DTensor) -> tuple[slice, ...]:
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int,
-              vocabulary: Vocabulary | None = None) -> None:
-    """Rank 0 says what it found before the first update, which may take minutes: the
-    data, the model's size and shape and what each rank holds of it, and where it starts
-    from (``fresh``: the spec of a run not resumed from a checkpoint)."""
-    if not is_main:
-        return
-    dictionary = getattr(data, "dictionary", None)
-    logger.info("data: %d training samples%s", len(data),
-                f", vocabulary of {len(dictionary)} symbols" if dictionary is not None else "")
-    held = memory_report(model, None)
-    logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
-                f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
-    config = getattr(unwrap(model), "config", None)
-    if isinstance(config, (LlamaConfig, RobertaConfig)):
-        logger.info("model shape: %s", describe_shape(config, vocabulary))
-    if fresh is not None:
-        logger.info("starting from %s", f"the weights in --init-from-hf {fresh.hf_dir}"
-                    if fresh.hf_dir is not None else f"seed {seed}")
-
-
-def _parameter_count(model: nn.Module) -> int:
-    """Single-device parameter count of a (possibly sharded) model."""
-    return sum(p.numel() for p in model.parameters())
-
-
-def _sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def describe_shape(config: LlamaConfig | RobertaConfig, vocabulary: Vocabulary | None = None) -> str:
-    """Layers, width, heads, KV heads, head size, FFN, vocabulary (and where it came from),
-    positions, and for Llama the rotary base and scaling: what the command line built."""
-    if isinstance(config, LlamaConfig):
-        heads, kv_heads, head_size, ffn = config.n_heads, config.kv_heads, config.head_dim, config.ffn_hidden_dim
-        scaling = "no scaling"
-        if config.llama3_scaling is not None:
-            factor, low, high, original = config.llama3_scaling
-            scaling = (f"llama3 scaling (factor {factor:g}, low {low:g}, high {high:g}, "
-                       f"original {original} positions)")
-        positions = f"{config.max_seq_len} rotary positions (theta {config.rope_theta:g}, {scaling})"
-        tied = ", output tied to the embedding" if config.tie_word_embeddings else ""
-    else:
-        heads, kv_heads, head_size, ffn = config.n_heads, config.n_heads, config.dim // config.n_heads, config.ffn_dim
-        positions, tied = f"{config.max_positions} learned positions", ""
-    source = f" ({vocabulary.source})" if vocabulary is not None else ""
-    return (f"{config.n_layers} layers, width {config.dim}, {heads} heads, {kv_heads} KV heads, head size "
-            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}")

@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, get_type_hints
+from typing import Any, Sequence, get_type_hints
 
 from distlm.choices import CHOICES
 from distlm.errors import OneLineErrorParser, UsageError

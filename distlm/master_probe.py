@@ -18,7 +18,7 @@ import time
 
 import torch.distributed as dist
 
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 ANSWER_LIMIT_SEC = 60.0
 
@@ -54,7 +54,7 @@ def check_master_answers(host: str, port: int, rank: int, timeout_sec: float) ->
     if "error" in outcome and outcome["error"] is None:
         return
     error = outcome.get("error")
-    cause = str(error).strip().splitlines()[0] if error is not None else f"no answer in {limit:g} s"
+    cause = first_line(error) if error is not None else f"no answer in {limit:g} s"
     raise UsageError(
         f"the master address {host}:{port} is held by a program that is not rank 0's rendezvous store ({cause}); "
         "choose a free port (MASTER_PORT, or --distributed-init-method tcp://HOST:PORT) and check the host"

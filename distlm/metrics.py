@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from distlm.backends.hardware import device_peak_flops, measure_cpu_matmul_flops
 from distlm.errors import UsageError
-from distlm.plan.flops import flops_per_token, model_flops_utilization
+from distlm.models.flops import flops_per_token, model_flops_utilization
 
 LN2 = math.log(2)
 logger = logging.getLogger("distlm")

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from distlm.agreement import check_ranks_agree
-from distlm.builder import build_model_for_run, choose_vocabulary, log_start, resolve_model_spec
+from distlm.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
@@ -41,6 +41,7 @@ from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
+from distlm.start_log import log_start
 
 logger = logging.getLogger("distlm")
 

@@ -223,9 +223,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 TOOLS = ("distlm.plan", "distlm.bench", "distlm.doctor", "distlm.report", "distlm.parity")
 ENTRY_POINT = "distlm.train"
-# The per-token FLOP count of the log's MFU is still the planner's (plan/flops.py); it
-# belongs with the models, the one core -> tool import left.
-_CORE_TO_TOOL_PENDING = {("distlm.metrics", "distlm.plan.flops")}
 
 
 def _is_tool(module: str) -> bool:
@@ -238,7 +235,7 @@ def test_import_graph_has_no_cycle_and_the_core_imports_no_tool():
     assert import_cycles(graph) == []
     crossing = sorted(
         (module, target) for module, targets in graph.items() for target in targets
-        if not _is_tool(module) and _is_tool(target) and (module, target) not in _CORE_TO_TOOL_PENDING
+        if not _is_tool(module) and _is_tool(target)
     )
     assert crossing == [], "core modules import tools"
     entry = sorted(module for module, targets in graph.items() if ENTRY_POINT in targets)

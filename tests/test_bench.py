@@ -26,7 +26,7 @@ from distlm.data.dictionary import Dictionary
 from distlm.errors import UsageError
 from distlm.models import build_model
 from distlm.plan.calibrate import calibrate, fit_line, read_measurements
-from distlm.plan.flops import count_parameters, flops_per_token, model_shape, parameter_groups
+from distlm.models.flops import count_parameters, flops_per_token, model_shape, parameter_groups
 from distlm.plan.model import Layout, Workload, load_cluster, project
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"

@@ -420,7 +420,7 @@ def test_70b_recipe_builds_the_shape_of_its_hugging_face_config():
 
     from distlm.builder import resolve_model_spec
     from distlm.config import parse_args
-    from distlm.plan.flops import count_parameters, model_shape, shape_from_hf_config
+    from distlm.models.flops import count_parameters, model_shape, shape_from_hf_config
 
     (line,) = [line for line in RECIPE_70B.read_text().splitlines() if "model_args=(--arch llama3_1_8b" in line]
     flags = shlex.split(line.strip().removeprefix("model_args=(").removesuffix(")"))

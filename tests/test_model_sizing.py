@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distlm.builder import choose_vocabulary, describe_shape, resolve_model_spec
+from distlm.builder import choose_vocabulary, resolve_model_spec
+from distlm.start_log import describe_shape
 from distlm.config import ARCH_FLAGS, SHARED_ARCH_FLAGS, parse_args
 from distlm.data import load_lm_data, load_vocabulary
 from distlm.data.batches import with_host_facts
@@ -30,7 +31,7 @@ from distlm.data.dictionary import MASK_SYMBOL
 from distlm.data.tokenizer import byte_dictionary, write_hf_tokenizer
 from distlm.errors import UsageError
 from distlm.models import LlamaCausalLM, LlamaConfig, RobertaConfig, build_model
-from distlm.plan.flops import flops_per_token
+from distlm.models.flops import flops_per_token
 
 FAIRSEQ_RECORD = json.loads((Path(__file__).parent / "fixtures" / "fairseq_roberta_params.json").read_text())
 

@@ -26,7 +26,7 @@ from distlm.models import ARCHS, build_model
 from distlm.plan import __main__ as plan_cli
 from distlm.plan import flops
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.flops import (
+from distlm.models.flops import (
     count_parameter_tensors,
     count_parameters,
     flops_per_token,

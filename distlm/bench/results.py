@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
-from distlm.plan.flops import model_flops_utilization, model_shape
+from distlm.models.flops import model_flops_utilization, model_shape
 from distlm.plan.model import executed_flops_per_token
 
 # Rows with the same values of these fields are one scaling series; its efficiency is

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distlm.checkpoint import directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 logger = logging.getLogger("distlm")
 
@@ -133,7 +133,7 @@ class CheckpointReader:
             raise
         except Exception as err:  # noqa: BLE001 - DCP reports a vanished or cut file as anything
             self.check_unchanged()
-            raise UsageError(f"{self.path}: cannot be read ({storage.first_line(err)}); the checkpoint is damaged") from None
+            raise UsageError(f"{self.path}: cannot be read ({first_line(err)}); the checkpoint is damaged") from None
         self.check_unchanged()
         return state
 

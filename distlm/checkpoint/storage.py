@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from distlm.checkpoint import directory
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 # Every global a .metadata written by torch 2.x refers to, and nothing that can run code:
 # the constructors below only build values (a size, a path, a dtype or layout by name).
@@ -84,11 +84,6 @@ def refuse_non_tensor(path: Path, key: str) -> None:
     """A weight that DCP's metadata marks as a non-tensor entry: not what distlm writes."""
     raise UsageError(f"{path / directory.DCP_METADATA_FILE} holds {key} as a non-tensor entry, which distlm writes "
                      "as a tensor: the checkpoint was crafted or damaged; use a checkpoint you trust")
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def shard_files(metadata: Metadata) -> set[str]:

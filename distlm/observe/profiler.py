@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
 
 logger = logging.getLogger("distlm")
 
@@ -66,7 +66,7 @@ class ProfileWindow:
             if not self.memory_snapshot:
                 raise
             path = self._dump_memory(f"oom_rank{self.rank}_update{number}")
-            raise torch.OutOfMemoryError(f"{str(err).splitlines()[0]} (memory snapshot: {path})") from None
+            raise torch.OutOfMemoryError(f"{first_line(err)} (memory snapshot: {path})") from None
         if self.profiler is not None and number >= self.window[1]:
             self.stop()
 

@@ -7,7 +7,7 @@ the training log's MFU and the scaling suite need.
 
 from distlm.plan.calibrate import Calibration, calibrate, fit_alpha_beta, read_measurements
 from distlm.backends.hardware import measure_cpu_matmul_flops, peak_flops
-from distlm.plan.flops import ModelShape, count_parameters, flops_per_token, model_flops_utilization, model_shape
+from distlm.models.flops import ModelShape, count_parameters, flops_per_token, model_flops_utilization, model_shape
 from distlm.plan.model import (
     Cluster,
     Layout,

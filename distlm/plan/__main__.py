@@ -21,7 +21,7 @@ from typing import Sequence
 from distlm.choices import PP_SCHEDULES
 from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.flops import count_parameters, flops_per_token, model_shape
+from distlm.models.flops import count_parameters, flops_per_token, model_shape
 from distlm.plan.model import (
     ALLREDUCE_ALGORITHMS,
     COMM_HOOKS,

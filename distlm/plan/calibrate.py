@@ -39,7 +39,7 @@ from typing import Any
 
 from distlm.choices import COLLECTIVE_OF_PROBE_METHOD
 from distlm.errors import UsageError
-from distlm.plan.flops import ModelShape, count_parameter_tensors, count_parameters, model_shape
+from distlm.models.flops import ModelShape, count_parameter_tensors, count_parameters, model_shape
 from distlm.plan.model import ADAM_BYTES_PER_PARAM, Cluster, Link, executed_flops_per_token
 from distlm.precision import dtype_name
 

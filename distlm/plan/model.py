@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -58,7 +57,7 @@ from typing import Any
 from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, STRATEGIES
 from distlm.errors import UsageError
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
-from distlm.plan.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
+from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
 from distlm.precision import DTYPES, dtype_name
 
 GIB = 1024**3

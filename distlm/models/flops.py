@@ -23,7 +23,6 @@ from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
 from distlm.models.registry import FAMILY_CONFIGS
-from distlm.precision import DTYPES, dtype_name  # noqa: F401  (the planner's precisions)
 
 FAMILIES = tuple(FAMILY_CONFIGS)
 

@@ -1,0 +1,67 @@
+"""What rank 0 says before the first update, which may take minutes: the data, the
+model's size, shape and placement, and where training starts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from distlm.builder import ModelSpec, Vocabulary
+from distlm.memory import memory_report
+from distlm.models import LlamaConfig, RobertaConfig
+from distlm.parallel.names import unwrap
+
+logger = logging.getLogger("distlm")
+
+
+def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int,
+              vocabulary: Vocabulary | None = None) -> None:
+    """Rank 0 says what it found before the first update, which may take minutes: the
+    data, the model's size and shape and what each rank holds of it, and where it starts
+    from (``fresh``: the spec of a run not resumed from a checkpoint)."""
+    if not is_main:
+        return
+    dictionary = getattr(data, "dictionary", None)
+    logger.info("data: %d training samples%s", len(data),
+                f", vocabulary of {len(dictionary)} symbols" if dictionary is not None else "")
+    held = memory_report(model, None)
+    logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
+                f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
+    config = getattr(unwrap(model), "config", None)
+    if isinstance(config, (LlamaConfig, RobertaConfig)):
+        logger.info("model shape: %s", describe_shape(config, vocabulary))
+    if fresh is not None:
+        logger.info("starting from %s", f"the weights in --init-from-hf {fresh.hf_dir}"
+                    if fresh.hf_dir is not None else f"seed {seed}")
+
+
+def _parameter_count(model: nn.Module) -> int:
+    """Single-device parameter count of a (possibly sharded) model."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def describe_shape(config: LlamaConfig | RobertaConfig, vocabulary: Vocabulary | None = None) -> str:
+    """Layers, width, heads, KV heads, head size, FFN, vocabulary (and where it came from),
+    positions, and for Llama the rotary base and scaling: what the command line built."""
+    if isinstance(config, LlamaConfig):
+        heads, kv_heads, head_size, ffn = config.n_heads, config.kv_heads, config.head_dim, config.ffn_hidden_dim
+        scaling = "no scaling"
+        if config.llama3_scaling is not None:
+            factor, low, high, original = config.llama3_scaling
+            scaling = (f"llama3 scaling (factor {factor:g}, low {low:g}, high {high:g}, "
+                       f"original {original} positions)")
+        positions = f"{config.max_seq_len} rotary positions (theta {config.rope_theta:g}, {scaling})"
+        tied = ", output tied to the embedding" if config.tie_word_embeddings else ""
+    else:
+        heads, kv_heads, head_size, ffn = config.n_heads, config.n_heads, config.dim // config.n_heads, config.ffn_dim
+        positions, tied = f"{config.max_positions} learned positions", ""
+    source = f" ({vocabulary.source})" if vocabulary is not None else ""
+    return (f"{config.n_layers} layers, width {config.dim}, {heads} heads, {kv_heads} KV heads, head size "
+            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}")
