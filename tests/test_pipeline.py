@@ -190,7 +190,8 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
 
 def four_rank_checks(data_dir: str, root: str, save_dir: str) -> dict:
     out = {}
-    for name, flags in {"ddp": [], "fsdp": ["--strategy", "fsdp"], "zero1": ["--strategy", "zero1"]}.items():
+    for name, flags in {"ddp": ["--update-freq", "2"], "fsdp": ["--strategy", "fsdp"],
+                        "zero1": ["--strategy", "zero1"]}.items():
         out[name] = train(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2", *flags))
     out["tp"] = train(args_for(data_dir, save_dir, "llama_tiny", "--pp-degree", "2", "--tp-degree", "2",
                                "--sequence-parallel"), save=True)
@@ -198,12 +199,16 @@ def four_rank_checks(data_dir: str, root: str, save_dir: str) -> dict:
 
 
 def four_rank_job(data_dir: str, tmp_path: Path, save_dir: str) -> dict:
-    """pp 2 x dp 2 (ddp, fsdp, zero1) and pp 2 x tp 2 with sequence parallel on 4 ranks equal one process (its batch the
-    global one); the pp 2 x tp 2 run saves the checkpoint the 2-rank job reshards."""
+    """pp 2 x dp 2 (ddp with --update-freq 2, fsdp, zero1) and pp 2 x tp 2 with sequence
+    parallel on 4 ranks equal one process (its batch the global one); the pp 2 x tp 2 run saves
+    the checkpoint the 2-rank job reshards."""
     ranks = run_distributed(four_rank_checks, 4, data_dir, str(tmp_path), save_dir, timeout=300)
     double = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny", "--batch-size", "8"))
-    for key in ("ddp", "fsdp", "zero1"):
+    for key in ("fsdp", "zero1"):
         assert_close(merged([r[key] for r in ranks], "params"), double["params"])
+    # Two whole pipeline passes per update on each of 2 replicas: a global batch of 16.
+    quadruple = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny", "--batch-size", "16"))
+    assert_close(merged([r["ddp"] for r in ranks], "params"), quadruple["params"])
     reference = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny"))
     assert_close(merged([r["tp"] for r in ranks], "params"), reference["params"])
     return {key: merged([r["tp"] for r in ranks], key) for key in ("params", "moments")}

@@ -103,7 +103,8 @@ def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str)
                          f"has {len(blocks)} blocks; use at most {len(blocks)} stages")
     schedule = options.schedule
     if schedule == "zbv" and per_rank != 2:
-        raise UsageError(f"--pp-schedule zbv runs exactly 2 stages per rank; set --pp-stages-per-rank 2 (got {per_rank})")
+        raise UsageError(f"--pp-schedule zbv runs exactly 2 stages per rank; set --pp-stages-per-rank 2 "
+                         f"(got {per_rank})")
     if schedule in PP_LOOPED_SCHEDULES and per_rank < 2:
         raise UsageError(f"--pp-schedule {schedule} loops over several stages per rank; "
                          "set --pp-stages-per-rank 2 or more, or use --pp-schedule 1f1b")
