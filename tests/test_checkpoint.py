@@ -37,6 +37,7 @@ from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.errors import UsageError
 from distlm.parallel.full_state import consolidated_parameters
+from distlm.run_record import RUN_JSON
 from distlm.train import main
 from distlm.trainer import Trainer
 
@@ -44,6 +45,12 @@ HALF = 3  # updates before the stop; the straight run does 2 * HALF
 BATCH = 4  # per replica; every layout here trains on a global batch of 8
 ARCH = "llama_tiny"  # tensor parallel splits its embedding and output: every kind of shard
 SUBPROCESS_TIMEOUT = 240
+
+
+
+def saved_names(save_dir: Path) -> list[str]:
+    """What a save dir holds besides the run record (run.json), which every run writes."""
+    return sorted(p.name for p in save_dir.iterdir() if p.name != RUN_JSON)
 
 
 def train_args(data: str, save_dir: Path | str, max_update: int, layout: list[str] = (), batch: int = BATCH,
@@ -89,9 +96,10 @@ def assert_same_checkpoint(actual: Path, expected: Path) -> None:
 
 
 def tree_digest(directory: Path) -> str:
+    """The checkpoints' bytes; the run record (run.json) is rewritten by every run, by design."""
     digest = hashlib.sha256()
     for path in sorted(directory.rglob("*")):
-        if path.is_file():
+        if path.is_file() and path.name != RUN_JSON:
             digest.update(str(path.relative_to(directory)).encode() + path.read_bytes())
     return digest.hexdigest()
 
@@ -622,7 +630,7 @@ def test_retention_and_save_interval_follow_fairseq(small_data, tmp_path, monkey
                       key=lambda n: int(n.split("_")[1]))
     epochs = sorted((n for n in written if re.fullmatch(r"checkpoint\d+", n)), key=lambda n: int(n[10:]))
     kept = {checkpoint.LAST, *numbered[-2:], *epochs[-1:]}
-    assert {p.name for p in tmp_path.iterdir()} == kept
+    assert set(saved_names(tmp_path)) == kept
     for name in kept:
         assert CheckpointReader(tmp_path / name).meta["progress"]["num_updates"] == max(
             update for update, names in expected if name in names)
@@ -645,7 +653,7 @@ def test_skipped_fp16_updates_save_nothing(data_dir, tmp_path, monkeypatch, capl
     assert any(m.startswith("update 1:") for m in skipped) and any(m.startswith("update 2:") for m in skipped)
     assert [update for update, _ in spy.calls] == [1, 2]
     assert not (tmp_path / checkpoint.numbered(0)).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.numbered(1), checkpoint.numbered(2), checkpoint.LAST]
+    assert saved_names(tmp_path) == [checkpoint.numbered(1), checkpoint.numbered(2), checkpoint.LAST]
 
 
 def test_the_fp16_loss_scaler_continues_across_a_resume(data_dir, tmp_path):  # noqa: F811
@@ -792,7 +800,7 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_the_previous_checkpoin
                                    f"failed: {os.strerror(errno.ENOSPC)}"), lines
         assert lines[0].endswith("; the previous checkpoint is intact")
         assert checkpoint.load(small / checkpoint.LAST)["num_updates"] == 1
-        assert sorted(p.name for p in small.iterdir()) == [checkpoint.numbered(1), checkpoint.LAST]
+        assert saved_names(small) == [checkpoint.numbered(1), checkpoint.LAST]
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -814,13 +822,13 @@ def test_recover_puts_back_a_checkpoint_stepped_aside_and_removes_the_rest(tmp_p
     (incomplete(tmp_path, checkpoint.numbered(4))).mkdir()
     actions = recover(tmp_path)
     assert len(actions) == 3, actions
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.numbered(2), checkpoint.LAST]
+    assert saved_names(tmp_path) == [checkpoint.numbered(2), checkpoint.LAST]
     assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "old"
 
     # commit replaces an existing checkpoint by its staged successor.
     complete(incomplete(tmp_path, checkpoint.LAST), "newer")
     commit(tmp_path, checkpoint.LAST)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.numbered(2), checkpoint.LAST]
+    assert saved_names(tmp_path) == [checkpoint.numbered(2), checkpoint.LAST]
     assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "newer"
 
 

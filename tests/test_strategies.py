@@ -135,7 +135,9 @@ def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(data_dir, tmp
     collectives (a hang), so both refuse with the same one-line error."""
     base = [a for a in common_args(data_dir, str(tmp_path / "unused"), "roberta_tiny") if a != "--no-save"]
     base += ["--batch-size", "4"]
-    Trainer(parse_args(base + ["--save-dir", str(tmp_path / "node0")])).save_checkpoint()
+    saver = Trainer(parse_args(base + ["--save-dir", str(tmp_path / "node0")]))
+    saver.save_checkpoint()
+    saver.checkpointer.close()  # gives up the save dir, as the end of fit does
     errors = run_distributed(_trainer_error_with_save_dir_per_rank, 2, base, str(tmp_path))
     for rank, error in enumerate(errors):
         assert error.startswith(f"--save-dir {tmp_path}/node{rank}: checkpoint_last is there on ranks [0] only;"), error

@@ -342,6 +342,11 @@ class Checkpointer:
         saved = {key.removeprefix("model."): tuple(md.size) for key, md in entries.items()
                  if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
         built = {name: tuple(tensor.shape) for name, tensor in template.items()}
+        dims = self.ctx.dims
+        if dims.pp_enabled:  # a pipeline rank holds its stages: the model is what the stages hold together
+            parts: list[Any] = [None] * dims.pp
+            dist.all_gather_object(parts, built, group=dims.pp_group(self.ctx.device.type))
+            built = {name: shape for part in parts for name, shape in part.items()}
         difference = compare.first_model_difference(saved, built)
         if difference is None:
             return template
@@ -354,7 +359,7 @@ class Checkpointer:
         if self.ctx.is_main:
             logger.info("--load-partial: %d weights loaded from %s, %d left out: %s", len(shared), path,
                         len(left_out), ", ".join(left_out))
-        return {name: template[name] for name in shared}
+        return {name: template[name] for name in shared if name in template}
 
     def _verify(self, path: Path, meta: dict[str, Any]) -> None:
         """Every file against the checksums the save recorded, each rank a share (collective)."""
