@@ -31,6 +31,10 @@ optimizer state, or everything sharded."""
 DDP_BACKENDS = ("c10d", "pytorch_ddp")
 """fairseq's names for torch DDP (both mean ``--strategy ddp``)."""
 
+PROFILE_DEVICE_TYPES = ("cpu", "cuda", "neuron")
+"""The device types a cluster profile of the planner describes (trn1's torch-xla runs are
+planned as neuron: the same NeuronCores)."""
+
 NETWORKS = ("auto", "efa", "tcp")
 
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")

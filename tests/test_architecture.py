@@ -13,8 +13,10 @@ import torch
 import distlm
 from distlm import choices
 from distlm.backends.registry import BACKENDS
-from distlm.config import build_parser, parse_args
+from distlm.config import ROPE_SCALING_TYPES, build_parser, parse_args
 from distlm.errors import UsageError
+from distlm.memory import ZERO_STAGES
+from distlm.parallel.pipeline import SCHEDULES
 from distlm.precision import DTYPES, MODE_DTYPES
 from distlm import trainer as trainer_module
 from distlm import validation
@@ -42,6 +44,12 @@ def test_every_set_of_choices_is_declared_once_and_used_by_the_command_line():
     assert set(BACKENDS) == set(choices.DEVICES) - {"auto"}
     assert set(MODE_DTYPES) == set(choices.PRECISIONS)
     assert set(DTYPES) < set(choices.PRECISIONS)
+    assert set(ROPE_SCALING_TYPES) == set(choices.ROPE_SCALINGS)
+    assert set(ZERO_STAGES) == set(choices.STRATEGIES)
+    assert set(SCHEDULES) == set(choices.PP_SCHEDULES)
+    assert set(choices.PP_LOOPED_SCHEDULES) < set(choices.PP_SCHEDULES)
+    assert set(choices.PP_ZERO_BUBBLE_SCHEDULES) < set(choices.PP_LOOPED_SCHEDULES)
+    assert set(choices.PROFILE_DEVICE_TYPES) < set(choices.DEVICES)
     assert restated_choices() == []
 
 
@@ -54,14 +62,6 @@ _TABLES = {
     "distlm/config.py": {"ROPE_SCALING_TYPES"},
     "distlm/memory.py": {"ZERO_STAGES"},
     "distlm/parallel/pipeline.py": {"SCHEDULES"},
-}
-
-
-# Restatements left in the planner (plan/model.py, changed beside this test by the pipeline
-# planner's work): the device types of a cluster profile, and what each strategy shards.
-_PENDING = {
-    ("distlm/plan/model.py", frozenset({"cuda", "neuron", "cpu"})),
-    ("distlm/plan/model.py", frozenset({"ddp", "zero1", "fsdp"})),
 }
 
 
@@ -113,7 +113,7 @@ def restated_choices(sources: dict[str, str] | None = None) -> list[str]:
                 values, kind = _string_values(node.keys), "dict keys"
             elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 values = _string_values(node.elts)
-            if values and (path, frozenset(values)) not in _PENDING:
+            if values:
                 found += [f"{path}:{node.lineno} {kind} restates {name}" for name in _restated(values, kind, sets)]
     return found
 

@@ -24,7 +24,7 @@ from distlm.backends.hardware import peak_flops
 from distlm.errors import UsageError
 from distlm.models import ARCHS, build_model
 from distlm.plan import __main__ as plan_cli
-from distlm.plan import flops
+from distlm.models import flops
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.models.flops import (
     count_parameter_tensors,

@@ -54,8 +54,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, STRATEGIES
+from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, PROFILE_DEVICE_TYPES, STRATEGIES
 from distlm.errors import UsageError
+from distlm.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
 from distlm.precision import DTYPES, dtype_name
@@ -195,8 +196,9 @@ def _cluster_from_table(data: dict[str, Any], source: str, ranks_per_node: int |
         return value
 
     device_type = data.get("device_type")
-    if device_type not in ("cuda", "neuron", "cpu"):
-        raise UsageError(f"--cluster {source}: device_type must be cuda, neuron or cpu, got {device_type!r}")
+    if device_type not in PROFILE_DEVICE_TYPES:
+        raise UsageError(f"--cluster {source}: device_type must be one of {', '.join(PROFILE_DEVICE_TYPES)}, "
+                         f"got {device_type!r}")
     device = str(data.get("device", "cpu"))
     if device_type != "cpu":
         device_key(device_type, device)  # refuses a device with no peak FLOP/s table
@@ -623,16 +625,8 @@ def memory_per_rank(workload: Workload, layout: Layout) -> dict[str, float]:
     fp32, as distlm keeps them), sharded by strategy: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N,
     FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate."""
     local = rank_parameters(workload, layout).total
-    dp = layout.dp
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "fsdp": (dp, dp, dp)}[workload.strategy]
-    params, grads, optimizer = 4 * local / shard[0], 4 * local / shard[1], 8 * local / shard[2]
-    return {
-        "param_bytes": params,
-        "grad_bytes": grads,
-        "optimizer_bytes": optimizer,
-        "total_bytes": params + grads + optimizer,
-        "activation_bytes": activation_bytes_per_rank(workload, layout),
-    }
+    held = zero_formula_bytes(local, layout.dp, ZERO_STAGES[workload.strategy])
+    return {**held, "activation_bytes": activation_bytes_per_rank(workload, layout)}
 
 
 def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
