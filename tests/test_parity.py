@@ -12,13 +12,11 @@ import ast
 import json
 import os
 from pathlib import Path
-from typing import get_type_hints
 
 import pytest
 from safetensors.torch import load_file
 
 import distlm
-from distlm.config import DistributedConfig
 from distlm.parity.__main__ import main
 from distlm.parity.compare import tolerance_for
 from distlm.parity.layouts import parse_layout
@@ -117,14 +115,22 @@ def test_an_out_path_that_is_a_file_is_one_line_and_exit_status_2(tmp_path, caps
     assert target.read_text() == "keep me"
 
 
-def test_a_pipeline_layout_needs_the_pipeline_flag(tmp_path, capsys):
-    if "pp_degree" in get_type_hints(DistributedConfig):
-        layout = parse_layout("pp=2")
-        assert layout.flags == ["--pp-degree", "2"] and layout.world_size == 2
-        return
-    assert main(["--layouts", "pp=2", "--steps", "1", "--out", str(tmp_path)]) == 2
+def test_pipeline_layouts_are_reported_equal_and_refuse_activations(tmp_path, capsys):
+    """Each pipeline rank holds its stages' parameters; rank 0 gathers them all. The first
+    update's loss counts the pass's own micro-batches only (its shape inference runs the
+    loss once more)."""
+    layout = parse_layout("pp=2,pp_microbatches=2")
+    assert layout.flags[:2] == ["--pp-degree", "2"] and layout.world_size == 2
+    assert main(["--layouts", "pp=2", "--steps", "1", "--activations", "--out", str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "no pipeline parallelism (--pp-degree)" in err and "\n" not in err
+    assert "--activations does not record pipeline stages" in err and "\n" not in err
+    status = main(["--layouts", "pp=2,pp_microbatches=2", "--steps", "2", "--arch", "llama_tiny", "--device", "cpu",
+                   "--batch-size", "2", "--tokens-per-sample", "16", "--out", str(tmp_path / "pp")])
+    result = json.loads((tmp_path / "pp" / "parity.json").read_text())["layouts"][0]
+    assert status == 0 and result["equal"], result["verdict"]
+    # Every parameter of both stages was compared.
+    assert {"tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.attention.wq.weight",
+            "norm.weight", "output.weight"} <= set(result["steps"][2]["parameters"])
 
 
 def test_the_training_core_never_imports_the_parity_tool():

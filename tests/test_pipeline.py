@@ -66,10 +66,13 @@ def train(args: list[str], updates: int = UPDATES, save: bool = False, valid: bo
     with ``valid`` the validation loss then."""
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
-    gnorms = [trainer.train_step(next(batches))["gnorm"] for _ in range(updates)]
+    records = [trainer.train_step(next(batches)) for _ in range(updates)]
+    gnorms = [record["gnorm"] for record in records]
+    losses = [float(record["loss_sum"]) for record in records]
     if save:
         trainer.save_checkpoint()
     return {"params": consolidated_parameters(trainer.model), "moments": moments(trainer), "gnorms": gnorms,
+            "losses": losses,
             "valid": trainer.validator.validate(trainer.model)[0].loss if valid else None}
 
 
@@ -155,6 +158,10 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
             if isinstance(key, tuple) and key[0] == arch:
                 assert_close(merged([r[key] for r in ranks], "params"), reference["params"])
                 assert ranks[0][key]["gnorms"] == pytest.approx(reference["gnorms"], rel=1e-5)
+                # The summed loss of each update, on every stage: the first update's pass also
+                # infers shapes, whose extra run of the loss must not count.
+                for rank in ranks:
+                    assert rank[key]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
                 # Each schedule's forward-only pass over the validation split, on parameters
                 # ~1e-7 from the reference's.
                 assert ranks[0][key]["valid"] == ranks[1][key]["valid"] == pytest.approx(reference["valid"], rel=1e-5)

@@ -320,10 +320,14 @@ class PipelineRunner:
     def _run(self, schedule, batch: dict[str, torch.Tensor], forward_only: bool) -> None:
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["targets"] if self.holds_last else None
+        before = len(self._losses)
         if forward_only:
             schedule.eval(*args, target=target)
         else:
             schedule.step(*args, target=target, return_outputs=False)
+        # A schedule's first pass infers the stages' shapes by running the last stage once
+        # more on uninitialised inputs, loss included: a pass's own losses are its last M.
+        del self._losses[before:len(self._losses) - self.microbatches]
 
     def _loss_sum(self) -> torch.Tensor:
         """The summed loss of the last stage's micro-batches, on every rank of the pipeline (collective)."""

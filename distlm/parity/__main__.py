@@ -67,6 +67,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         if any(item == flag or item.startswith(flag + "=") for item in train_flags):
             raise UsageError(f"{flag} is set by the parity run itself (or is a layout key); drop it")
     args.layouts = [parse_layout(text) for text in args.layouts]
+    piped = [layout.text for layout in args.layouts if "--pp-degree" in layout.flags]
+    if args.activations and piped:
+        # A stage runs its own micro-batches, so its hooks see other slices of the batch
+        # than the reference's micro-batches; parameters, losses and norms still compare.
+        raise UsageError(f"--activations does not record pipeline stages (layout {piped[0]!r}); "
+                         "compare that layout without --activations")
     names = [layout.name for layout in args.layouts]
     if len(set(names)) != len(names) or REFERENCE in names:
         raise UsageError("two layouts are the same; give each once")

@@ -80,9 +80,6 @@ def parse_layout(text: str) -> Layout:
                 world = number
                 continue
             degrees[key] = number
-            if key == "pp" and _DEGREES["pp"] not in get_type_hints(DistributedConfig):
-                raise UsageError(f"layout {text!r}: this distlm.train has no pipeline parallelism (--pp-degree); "
-                                 "drop the pp key")
             flags += [f"--{_DEGREES[key].replace('_', '-')}", str(number)]
         elif key == "precision":
             if value not in PRECISIONS:

@@ -137,9 +137,16 @@ class ParityTrainer(Trainer):
     def write_parameters(self, step: int) -> None:
         """The whole parameters under their single-device names (collective; rank 0 writes)."""
         names = set(parameter_names(self.model))
-        state = full_state_dict(self.model)
+        dims = self.ctx.dims
+        # A pipeline rank holds its stages' parameters: every rank consolidates its own, and
+        # rank 0 gathers them over the pipeline.
+        state = full_state_dict(self.model, rank0_only=not dims.pp_enabled)
+        tensors = {name: t.detach().float().cpu().contiguous().clone() for name, t in state.items() if name in names}
+        if dims.pp_enabled:
+            parts: list[Any] = [None] * dims.pp
+            dist.all_gather_object(parts, tensors, group=dims.pp_group(self.ctx.device.type))
+            tensors = {name: tensor for part in parts for name, tensor in part.items()}
         if self.ctx.is_main:
-            tensors = {name: t.float().contiguous().clone() for name, t in state.items() if name in names}
             save_file(tensors, str(self.out / "params" / f"step{step}.safetensors"))
 
 
