@@ -19,8 +19,6 @@ from pathlib import Path
 import torch
 
 from distlm import checkpoint
-from distlm.config import parse_args
-from distlm.trainer import Trainer
 
 TIMEOUT = 240
 STOP_LINE = re.compile(r"distlm: (SIG\w+): stopped at update (\d+) and saved (\S+); the same command resumes from it")
@@ -66,10 +64,14 @@ def stopped_at(stderr: str, signum: int, save_dir: Path) -> int:
     return int(match.group(2))
 
 
-def fit(args: list[str]) -> Trainer:
-    trainer = Trainer(parse_args(args))
-    trainer.fit()
-    return trainer
+def train(args: list[str], cwd: Path) -> str:
+    """A whole ``python -m distlm.train`` run in a process of its own, as the interrupted run
+    is: the three runs compared share no state of this test process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTLM_CACHE_DIR": str(cwd / "cache")}
+    done = subprocess.run([sys.executable, "-m", "distlm.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
 
 
 def test_ctrl_c_saves_and_a_resume_continues_exactly(data_dir, tmp_path):
@@ -81,12 +83,13 @@ def test_ctrl_c_saves_and_a_resume_continues_exactly(data_dir, tmp_path):
     assert stop >= 2
     assert checkpoint.load(save_dir / checkpoint.LAST)["num_updates"] == stop
 
-    resumed = fit(args_for(data_dir, save_dir, stop + 2))
-    assert resumed.resumed_at == stop
-    straight = fit(args_for(data_dir, tmp_path / "straight", stop + 2))
-    expected = checkpoint.load(tmp_path / "straight" / checkpoint.LAST)["model"]
-    actual = checkpoint.load(save_dir / checkpoint.LAST)["model"]
-    assert straight.num_updates == resumed.num_updates == stop + 2
+    log = train(args_for(data_dir, save_dir, stop + 2), tmp_path)
+    assert f"resumed from {save_dir / checkpoint.LAST} at update {stop} " in log, log[-4000:]
+    assert "dropout RNG reseeded" not in log, log[-4000:]
+    train(args_for(data_dir, tmp_path / "straight", stop + 2), tmp_path)
+    straight, resumed = checkpoint.load(tmp_path / "straight" / checkpoint.LAST), checkpoint.load(save_dir / checkpoint.LAST)
+    assert straight["num_updates"] == resumed["num_updates"] == stop + 2
+    expected, actual = straight["model"], resumed["model"]
     assert actual.keys() == expected.keys()
     for name in expected:
         assert torch.equal(actual[name], expected[name]), name
