@@ -46,8 +46,6 @@ class ModeDtypes:
     fsdp_reduce: torch.dtype | None
     """FSDP reduce-scatters gradients in this type; None: the parameters' type. Always
     fp32 where a half type is involved: a summed fp16 gradient could overflow."""
-    wire: torch.dtype
-    """DDP's gradients travel in this type unless a comm hook compresses them."""
 
     @property
     def compute(self) -> str:
@@ -56,11 +54,11 @@ class ModeDtypes:
 
 
 MODE_DTYPES: dict[str, ModeDtypes] = {
-    "fp32": ModeDtypes(param=torch.float32, autocast=None, fsdp_reduce=None, wire=torch.float32),
-    "bf16": ModeDtypes(param=torch.float32, autocast=torch.bfloat16, fsdp_reduce=torch.float32, wire=torch.float32),
-    "fp16": ModeDtypes(param=torch.float32, autocast=torch.float16, fsdp_reduce=torch.float32, wire=torch.float32),
+    "fp32": ModeDtypes(param=torch.float32, autocast=None, fsdp_reduce=None),
+    "bf16": ModeDtypes(param=torch.float32, autocast=torch.bfloat16, fsdp_reduce=torch.float32),
+    "fp16": ModeDtypes(param=torch.float32, autocast=torch.float16, fsdp_reduce=torch.float32),
     "memory_efficient_fp16": ModeDtypes(
-        param=torch.float16, autocast=None, fsdp_reduce=torch.float32, wire=torch.float16
+        param=torch.float16, autocast=None, fsdp_reduce=torch.float32
     ),
 }
 """Precision mode (each of ``choices.PRECISIONS``) -> its dtypes; everything else derives from it."""

@@ -17,7 +17,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from distlm.agreement import check_ranks_agree
 from distlm.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
@@ -38,6 +37,7 @@ from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need,
 from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
+from distlm.parallel.tp import local_value
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
@@ -275,19 +275,20 @@ class Trainer:
         if self.pipeline is not None:  # whole pipeline passes; the loss arrives from the last stage
             with self.handle.loss_context():
                 loss_sum = self.pipeline.forward_backward(tensors, factor, self._autocast)
-        for i, batch in enumerate(tensors if self.pipeline is None else []):
-            with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
-                with self._autocast():
-                    loss = self.compute_loss(batch)
-                (loss * factor).backward()
-            loss_sum += self.handle.local_loss(loss.detach()).double()
+        else:
+            for i, batch in enumerate(tensors):
+                with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
+                    with self._autocast():
+                        loss = self.compute_loss(batch)
+                    (loss * factor).backward()
+                loss_sum += self.handle.local_loss(loss.detach()).double()
 
         update = self.progress.num_updates + 1
         lr = self.schedule.apply(self.optimizer, update)
         gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
         # The update's one host synchronisation: the gradient norm, and whether any rank was signalled.
         gnorm_value, *signalled = torch.cat([
-            (gnorm.full_tensor() if isinstance(gnorm, DTensor) else gnorm).detach().reshape(1).double(),
+            local_value(gnorm).detach().reshape(1).double(),
             self._stop_flags_of_every_rank(global_targets[1:])]).tolist()
         self.stop.agree(signalled)
         finite = math.isfinite(gnorm_value)

@@ -310,7 +310,7 @@ class Checkpointer:
                       partial: bool) -> set[str]:
         """Load every wanted state the shards hold; returns their names."""
         saved = storage.read_metadata(path)
-        _check_shards_present(path, saved)
+        storage.check_shards_present(path, saved)
         self._verify(path, meta)
         entries = saved.state_dict_metadata
         prefixes = _prefixes(entries)
@@ -571,13 +571,6 @@ def _incomplete(path: Path) -> str | None:
         if not (path / name).is_file():
             return f"{path} lacks {name}; the checkpoint is incomplete (remove it, or name another with --restore-file)"
     return None
-
-
-def _check_shards_present(path: Path, metadata) -> None:
-    files = {info.relative_path for info in metadata.storage_data.values()}
-    missing = sorted(name for name in files if not (path / name).is_file())
-    if missing:
-        raise UsageError(f"{path} lacks shard {missing[0]} (of {len(files)}); the checkpoint is incomplete")
 
 
 def _holds_tensors(value: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from distlm.checkpoint import directory
 from distlm.errors import UsageError
-from distlm.models import LlamaConfig, RobertaConfig
+from distlm.models.registry import FAMILY_CONFIGS
 
 FORMAT_VERSION = 2
 
@@ -53,12 +53,11 @@ def check(meta: dict[str, Any], where: Path) -> None:
 
 def _check_model_config(family: Any, model_config: Any, where: Path) -> None:
     """The model settings an export builds its config from name only settings of the family's model."""
-    kinds = {"llama": LlamaConfig, "roberta": RobertaConfig}
-    if model_config is None or family not in kinds:
+    if model_config is None or family not in FAMILY_CONFIGS:
         return
     if not isinstance(model_config, dict):
         raise UsageError(f"{where}: 'model_config' is not a table; the checkpoint is damaged")
-    known = {field.name for field in dataclasses.fields(kinds[family])}
+    known = {field.name for field in dataclasses.fields(FAMILY_CONFIGS[family])}
     unknown = sorted(set(model_config) - known)
     if unknown:
         raise UsageError(f"{where}: model_config.{unknown[0]} is not a setting of distlm's {family} model; "

@@ -63,9 +63,7 @@ class CheckpointReader:
                 self._tensors[key] = value
             elif key.startswith("model."):
                 storage.refuse_non_tensor(self.path, key)
-        missing = sorted(name for name in storage.shard_files(metadata) if not (self.path / name).is_file())
-        if missing:
-            raise UsageError(f"{self.path} lacks shard {missing[0]}; the checkpoint is incomplete")
+        storage.check_shards_present(self.path, metadata)
         files = integrity.recorded_files(self.meta, self.path)
         if files is not None and verify:
             problem = integrity.verify(self.path, files)

@@ -91,6 +91,14 @@ def shard_files(metadata: Metadata) -> set[str]:
     return {info.relative_path for info in metadata.storage_data.values()}
 
 
+def check_shards_present(path: Path, metadata: Metadata) -> None:
+    """UsageError naming the first shard file the metadata lists that ``path`` lacks."""
+    files = shard_files(metadata)
+    missing = sorted(name for name in files if not (path / name).is_file())
+    if missing:
+        raise UsageError(f"{path} lacks shard {missing[0]} (of {len(files)}); the checkpoint is incomplete")
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader with the restricted metadata unpickler."""
 

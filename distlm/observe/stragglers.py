@@ -21,9 +21,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from distlm.parallel.comm_hooks import all_gather_tensor
+
 logger = logging.getLogger("distlm")
-# torch 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SLOW_FACTOR = 1.2
 """A rank whose step time exceeds the median by this factor ..."""
@@ -80,7 +80,7 @@ class StepTiming:
             self._check_data_wait([own.tolist()], updates)
             return {}
         every = torch.empty(self.world_size * 2, dtype=torch.float64)
-        _all_gather(every, own, group=self.group)
+        all_gather_tensor(every, own, group=self.group)
         times = every.view(self.world_size, 2).tolist()
         steps = [compute + wait for compute, wait in times]
         median = statistics.median(steps)

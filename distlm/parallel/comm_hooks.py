@@ -92,7 +92,7 @@ def _half_sum(transport: Transport, tensor: torch.Tensor, dtype: torch.dtype) ->
 # torch 2.13 renamed these (the old names warn); older releases (Neuron's torch-xla
 # stacks) know only the old ones. Same arguments.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _check_half_dtype(dtype: torch.dtype) -> None:
@@ -204,7 +204,7 @@ class HierarchicalReducer:
         shard.div_(self.world_size)
         self._inter_leg(shard).wait()
         # The all-gather writes over the padded input, which the reduce-scatter is done with.
-        work = _all_gather(padded, shard, group=self.intra_group, async_op=True)
+        work = all_gather_tensor(padded, shard, group=self.intra_group, async_op=True)
         if padded is flat:
             return _then(work.get_future(), lambda: flat)
         return _then(work.get_future(), lambda: flat.copy_(padded[:numel]))
