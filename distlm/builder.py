@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from torch import nn
@@ -182,8 +182,10 @@ def _check_arch_agrees(arch: str, model_class: type, config: Any, directory: Pat
 class ModelBuild:
     model: nn.Module
     """Initialised on the training device, or still on meta when one of the fillers below is set."""
-    whole_model: Callable[[], nn.Module] | None = None
-    """Rank 0's whole initialised copy on the host, to fill the shards of a meta model."""
+    whole_model: Callable[..., nn.Module] | None = None
+    """The seed's initialised copy on the host, to fill the shards of a meta model: whole
+    (rank 0, for FSDP and tensor parallel), or ``whole_model(keep=names)`` with only those
+    parameters held (each pipeline stage, for its own)."""
     fill_shards: Callable[[nn.Module], None] | None = None
     """Fills a parallelised model's freshly allocated shards in place, each rank its own."""
 
@@ -230,8 +232,10 @@ def build_model_for_run(
     if from_hf:
         return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
 
-    def whole_model() -> nn.Module:
-        return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
+    def whole_model(keep: Collection[str] | None = None) -> nn.Module:
+        if keep is None:
+            return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
+        return _initialised_keeping(spec.build(vocab_size, padding_idx), keep, seed)
 
     return ModelBuild(model, whole_model=whole_model)
 
@@ -243,6 +247,41 @@ def _initialised(model: nn.Module, device: torch.device, param_dtype: torch.dtyp
     with torch.no_grad():
         model.init_weights()
     return model.to(dtype=param_dtype)
+
+
+@torch.no_grad()
+def _initialised_keeping(model: nn.Module, keep: Collection[str], seed: int) -> nn.Module:
+    """A meta model initialised from the seed on the host, where only the parameters named
+    in ``keep`` get memory of their own: the others are drawn into one scratch buffer per
+    dtype, the size of the largest, and overwritten by the next. ``init_weights`` draws the
+    same numbers in the same order either way, so the kept parameters equal the whole
+    model's, while a pipeline stage of a 70B model holds its own weights and one extra
+    tensor instead of the whole model on every rank. Parameters stay in their built dtype
+    (the caller's copy casts); the discarded ones still alias the scratch buffers."""
+    cpu = torch.device("cpu")
+    named = list(model.named_parameters(remove_duplicate=False))
+    kept = {id(p) for name, p in named if name in keep}  # a tied weight is kept under either name
+    largest: dict[torch.dtype, int] = {}
+    for _, p in named:
+        if id(p) not in kept:
+            largest[p.dtype] = max(largest.get(p.dtype, 0), p.numel())
+    scratch = {dtype: torch.empty(size, dtype=dtype, device=cpu) for dtype, size in largest.items()}
+    materialised: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in materialised:
+                data = (torch.empty_like(p, device=cpu) if id(p) in kept
+                        else scratch[p.dtype][:p.numel()].view(p.shape))
+                materialised[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[key] = materialised[id(p)]
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[key] = torch.empty_like(buffer, device=cpu)
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
 
 
 def _compute_buffers(model: nn.Module) -> None:

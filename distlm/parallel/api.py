@@ -63,7 +63,7 @@ def parallelize(
     dims: ParallelDims,
     device: torch.device,
     options: ParallelOptions = ParallelOptions(),
-    whole_model: Callable[[], nn.Module] | None = None,
+    whole_model: Callable[..., nn.Module] | None = None,
     fill_shards: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, DataParallelHandle]:
     """``model`` parallelised over ``dims``, and the handle the training loop drives it by.

@@ -447,7 +447,7 @@ def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineOptions) 
 
 
 def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.device, options: Any,
-                       pipeline: PipelineOptions, whole_model: Callable[[], nn.Module] | None,
+                       pipeline: PipelineOptions, whole_model: Callable[..., nn.Module] | None,
                        fill_shards: Callable[[nn.Module], None] | None) -> tuple[nn.Module, PipelineHandle]:
     """FSDP or DDP around each of this rank's stage chunks (their layers already transformed),
     the weights, and the schedules; the pruned model and its handle."""
@@ -499,12 +499,12 @@ def _shard_chunk(chunk: StageChunk, dp_mesh, param_dtype, reduce_dtype) -> nn.Mo
 
 @torch.no_grad()
 def _materialise_stage(model: nn.Module, chunks: list[nn.Module], device: torch.device,
-                       whole_model: Callable[[], nn.Module] | None,
+                       whole_model: Callable[..., nn.Module] | None,
                        fill_shards: Callable[[nn.Module], None] | None) -> None:
-    """Allocate the stage's shards and fill them: from ``whole_model()``, which every rank
-    builds for itself (the same seed gives the same weights, and no rank waits for
-    another's stage), or in place by ``fill_shards``. Through each chunk, so FSDP's
-    bookkeeping follows the new storage."""
+    """Allocate the stage's shards and fill them: from ``whole_model(keep=...)``, which
+    every rank draws for itself holding only its stage's parameters (the same seed gives
+    the same weights, and no rank waits for another's stage), or in place by
+    ``fill_shards``. Through each chunk, so FSDP's bookkeeping follows the new storage."""
     for chunk in chunks:
         chunk.to_empty(device=device)
     for module in model.modules():
@@ -516,7 +516,7 @@ def _materialise_stage(model: nn.Module, chunks: list[nn.Module], device: torch.
         return
     if whole_model is None:
         return
-    whole = whole_model()
+    whole = whole_model(keep={single_device_name(name) for name, _ in model.named_parameters()})
     source = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         value = source[single_device_name(name)].to(device)
@@ -524,7 +524,7 @@ def _materialise_stage(model: nn.Module, chunks: list[nn.Module], device: torch.
             value = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
             tensor = tensor.to_local()
         tensor.copy_(value)
-    logger.info("materialised each pipeline stage from the seed's whole model")
+    logger.info("materialised each pipeline stage's own weights from the seed")
 
 
 def _tied_group(dims: ParallelDims, mesh, schedule: str) -> dist.ProcessGroup | None:
