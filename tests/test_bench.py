@@ -1,7 +1,8 @@
 """The scaling suite (``python -m distlm.bench scaling``): a real sweep of roberta_tiny over
-1 and 2 ranks under ddp and fsdp, its files against the schema documented in
-benchmarks/README.md and against the planner that reads them; the compute reference really
-without gradient communication; the in-place mode under torchrun; bad input."""
+1 and 2 ranks under ddp and fsdp, and at 2 ranks in two pipeline stages, its files against
+the schema documented in benchmarks/README.md and against the planner that reads them and
+predicts every point; the compute reference really without gradient communication; the
+in-place mode under torchrun; bad input."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ from distlm.models.flops import count_parameters, flops_per_token, model_shape, 
 from distlm.plan.model import Layout, Workload, load_cluster, project
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
-POINTS = {(1, "ddp"), (1, "fsdp"), (2, "ddp"), (2, "fsdp")}
+# (world size, strategy, pp degree): the pp-2 launch has one replica, so it stands for both strategies.
+POINTS = {(1, "ddp", 1), (1, "fsdp", 1), (2, "ddp", 1), (2, "fsdp", 1), (2, "ddp", 2), (2, "fsdp", 2)}
 TOKENS, BATCH = 32, 2
+PP_MICROBATCHES = 2  # distlm.train's default, twice the degree, would not divide the batch of 2
 SWEEP = ["--strategy", "ddp,fsdp", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--batch-size", str(BATCH),
          "--tokens-per-sample", str(TOKENS), "--device", "cpu", "--threads-per-rank", "1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -60,34 +63,44 @@ def sweep(data_dir, tmp_path_factory) -> Path:  # noqa: F811 - fixture
     out = tmp_path_factory.mktemp("scaling")
     proc = subprocess.run(
         [sys.executable, "-m", "distlm.bench", "scaling", "--ranks", "1,2", *SWEEP, "--allreduce-max-mib", "16",
-         "--data", data_dir, "--out", str(out)],
+         "--pp-degree", "1,2", "--pp-microbatches", str(PP_MICROBATCHES), "--data", data_dir, "--out", str(out)],
         capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[repetition 1/1, 2 ranks] fsdp" in proc.stderr  # progress while it runs
+    assert "[repetition 1/1, 2 ranks, pp 2] ddp" in proc.stderr
     return out
+
+
+def point(row: dict) -> tuple:
+    return row["world_size"], row["strategy"], row["pp_degree"]
 
 
 def test_results_have_the_documented_fields_and_add_up(sweep, data_dir):  # noqa: F811 - fixture
     rows = read_rows(sweep / "results.jsonl")
     fields = documented_fields()
     assert len(fields) > 30
-    assert {(row["world_size"], row["strategy"]) for row in rows} == POINTS
-    by_point = {(row["world_size"], row["strategy"]): row for row in rows}
+    assert {point(row) for row in rows} == POINTS
+    by_point = {point(row): row for row in rows}
     vocab = len(Dictionary.load(Path(data_dir) / "dict.txt")) + 1  # + <mask>
     for row in rows:
         assert sorted(row) == sorted(fields), "every field documented, every documented field written"
         for name in ("step_time_s", "compute_s", "optimizer_s", "tokens_per_s", "samples_per_s", "efficiency", "mfu",
-                     "memory_bytes_per_rank", "flops_per_token", "peak_flops_per_rank"):
+                     "memory_bytes_per_rank", "flops_per_token", "peak_flops_per_rank", "predicted_step_time_s"):
             assert row[name] > 0, (name, row)
         assert (row["arch"], row["mode"], row["precision"]) == ("roberta_tiny", "weak", "fp32")
         assert row["vocab_size"] == vocab
         assert (row["batch_size"], row["update_freq"], row["tokens_per_sample"]) == (BATCH, 1, TOKENS)
-        assert row["global_batch_size"] == BATCH * row["world_size"]
+        assert row["dp_degree"] == row["world_size"] // row["pp_degree"]
+        assert row["global_batch_size"] == BATCH * row["dp_degree"]
+        pipelined = row["pp_degree"] > 1
+        assert (row["pp_schedule"], row["pp_microbatches"], row["pp_stages_per_rank"]) == (
+            ("1f1b", PP_MICROBATCHES, 1) if pipelined else (None, None, None))
         parts = row["compute_s"] + row["comm_exposed_s"] + row["optimizer_s"]
         assert math.isclose(parts, row["step_time_s"], rel_tol=1e-5)
         assert math.isclose(row["tokens_per_s"], row["global_batch_size"] * TOKENS / row["step_time_s"], rel_tol=1e-5)
-        base = by_point[(1, row["strategy"])]
+        base = by_point[(1, row["strategy"], 1)]  # a pipeline series too: against the plain 1-rank point
+        assert row["efficiency_baseline_world_size"] == 1
         efficiency = row["tokens_per_s"] / row["world_size"] / base["tokens_per_s"]
         assert math.isclose(row["efficiency"], efficiency, rel_tol=1e-5)
         # The masked LM computes its head at the masked positions only (--mask-prob, in expectation).
@@ -95,19 +108,26 @@ def test_results_have_the_documented_fields_and_add_up(sweep, data_dir):  # noqa
         mfu = row["tokens_per_s"] * per_token / (row["peak_flops_per_rank"] * row["world_size"])
         assert math.isclose(row["mfu"], mfu, rel_tol=1e-4)
     for strategy in ("ddp", "fsdp"):
-        assert by_point[(1, strategy)]["efficiency"] == 1.0
-        assert by_point[(1, strategy)]["comm_exposed_s"] == 0.0
+        assert by_point[(1, strategy, 1)]["efficiency"] == 1.0
+        for world_size, pp_degree in ((1, 1), (2, 2)):  # one replica: nothing communicated
+            assert by_point[(world_size, strategy, pp_degree)]["comm_exposed_s"] == 0.0
+    # One pp-2 launch stands for both strategies: with one replica neither wraps anything.
+    assert by_point[(2, "ddp", 2)]["step_time_s_repeats"] == by_point[(2, "fsdp", 2)]["step_time_s_repeats"]
 
     # Memory against the model itself: DDP holds 4 bytes of weights and of gradients per
     # parameter and 8 of Adam moments (plus Adam's 4-byte step counter per tensor); FSDP
-    # at 2 ranks half of each (plus the padding of uneven shards).
+    # at 2 ranks half of each (plus the padding of uneven shards); a pipeline stage holds
+    # its blocks, and the tied embedding on both the first and the last.
     model = build_model("roberta_tiny", vocab_size=vocab)
     params, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
-    ddp, fsdp = by_point[(2, "ddp")], by_point[(2, "fsdp")]
+    ddp, fsdp, stage = by_point[(2, "ddp", 1)], by_point[(2, "fsdp", 1)], by_point[(2, "ddp", 2)]
     assert ddp["param_bytes"] == ddp["grad_bytes"] == 4 * params
     assert 8 * params <= ddp["optimizer_bytes"] <= 8 * params + 4 * tensors
     assert fsdp["param_bytes"] == pytest.approx(2 * params, rel=0.01)
     assert fsdp["memory_bytes_per_rank"] == pytest.approx(ddp["memory_bytes_per_rank"] / 2, rel=0.01)
+    blocks = 4 * sum(p.numel() for p in model.blocks.parameters())
+    assert blocks / 2 < stage["param_bytes"] < ddp["param_bytes"]
+    assert stage["param_bytes"] == stage["grad_bytes"]
 
 
 def test_plots_and_table_are_written(sweep):
@@ -119,8 +139,9 @@ def test_plots_and_table_are_written(sweep):
         height, width, _ = imread(path).shape  # decodes the whole image
         assert height > 100 and width > 100, name
     table = (sweep / "results.md").read_text()
-    for world_size, strategy in POINTS:
-        assert re.search(rf"^\| {world_size} \| {strategy} \| {BATCH} x 1 \|", table, flags=re.MULTILINE), table
+    for world_size, strategy, pp_degree in POINTS:
+        label = strategy + ("" if pp_degree == 1 else f" pp{pp_degree}")
+        assert re.search(rf"^\| {world_size} \| {label} \| {BATCH} x 1 \|", table, flags=re.MULTILINE), table
 
 
 def test_run_json_is_written_beside_the_results(sweep, data_dir):  # noqa: F811 - fixture
@@ -145,6 +166,28 @@ def test_calibration_file_is_what_the_planner_fits(sweep):
     projection = project(workload, cluster, Layout(nodes=1, ranks_per_node=1))
     assert projection.compute_s == pytest.approx(one_rank["compute_s"], rel=1e-3)
     assert projection.optimizer_s == pytest.approx(one_rank["optimizer_s"], rel=1e-3)
+
+
+def test_every_point_carries_the_planners_prediction(sweep):
+    """Each point's predicted_step_time_s is the planner's projection of that point on this
+    machine (the local profile, both ranks on this host) calibrated from calibration.jsonl:
+    the pp-2 point as two stages running 2 micro-batches in 1F1B, with its bubble. The
+    one-rank points are the calibration, so they give back their own update."""
+    rows = read_rows(sweep / "results.jsonl")
+    cluster = calibrate(read_measurements(sweep / "calibration.jsonl")).apply(load_cluster("local", ranks_per_node=2))
+    shape = model_shape("roberta_tiny", rows[0]["vocab_size"])
+    for row in rows:
+        world_size, strategy, pp_degree = point(row)
+        workload = Workload(shape=shape, strategy=strategy, tokens_per_sample=TOKENS, batch_size=BATCH,
+                            pp_microbatches=PP_MICROBATCHES if pp_degree > 1 else None)
+        projection = project(workload, cluster, Layout(nodes=1, ranks_per_node=world_size, pp=pp_degree))
+        assert row["predicted_step_time_s"] == pytest.approx(projection.step_time_s, rel=1e-5), point(row)
+        assert (projection.pp_bubble_s > 0) == (pp_degree > 1)
+        if world_size == 1:
+            # rel 1e-3: the planner's blocks count their norms and biases, the FLOPs per token only matmuls.
+            assert row["predicted_step_time_s"] == pytest.approx(row["compute_s"] + row["optimizer_s"], rel=1e-3)
+    table = (sweep / "results.md").read_text()
+    assert "| predicted step (s) |" in table
 
 
 def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep):
@@ -312,7 +355,7 @@ def test_communication_off_runs_the_update_without_gradient_communication(data_d
 def test_inside_torchrun_it_measures_in_place_and_merges(sweep, data_dir, tmp_path):  # noqa: F811 - fixture
     out = tmp_path / "merged"
     shutil.copytree(sweep, out)
-    before = {(row["world_size"], row["strategy"]): row for row in read_rows(out / "results.jsonl")}
+    before = {point(row): row for row in read_rows(out / "results.jsonl")}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m", "distlm.bench",
          "scaling", *SWEEP, "--strategy", "fsdp", "--allreduce-max-mib", "0", "--no-plots", "--data", data_dir,
@@ -320,12 +363,15 @@ def test_inside_torchrun_it_measures_in_place_and_merges(sweep, data_dir, tmp_pa
         capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after = {(row["world_size"], row["strategy"]): row for row in read_rows(out / "results.jsonl")}
+    after = {point(row): row for row in read_rows(out / "results.jsonl")}
     assert set(after) == POINTS
-    assert after[(2, "fsdp")]["step_time_s_repeats"] != before[(2, "fsdp")]["step_time_s_repeats"]  # measured anew
-    for point in POINTS - {(2, "fsdp")}:  # kept; efficiency recomputed from the rows as written (6 digits)
-        assert after[point] == {**before[point], "efficiency": pytest.approx(before[point]["efficiency"], rel=1e-5)}
-    fsdp, base = after[(2, "fsdp")], after[(1, "fsdp")]
+    fresh = (2, "fsdp", 1)
+    assert after[fresh]["step_time_s_repeats"] != before[fresh]["step_time_s_repeats"]  # measured anew
+    # Inside a launch the ranks may span a cluster the planner's local profile does not describe.
+    assert after[fresh]["predicted_step_time_s"] is None
+    for kept in POINTS - {fresh}:  # kept; efficiency recomputed from the rows as written (6 digits)
+        assert after[kept] == {**before[kept], "efficiency": pytest.approx(before[kept]["efficiency"], rel=1e-5)}
+    fsdp, base = after[fresh], after[(1, "fsdp", 1)]
     assert math.isclose(fsdp["efficiency"], fsdp["tokens_per_s"] / 2 / base["tokens_per_s"], rel_tol=1e-5)
 
 
@@ -378,17 +424,14 @@ def test_a_tensor_parallel_point_is_against_the_one_rank_point():
     assert by_point[(2, 2)]["tokens_per_s"] == pytest.approx(4 * TOKENS / 0.8)  # one replica of 4 samples
 
 
-def test_pp_degrees_are_swept_and_handed_to_distlm_train(tmp_path, monkeypatch):
+def test_pp_degrees_are_swept_and_handed_to_distlm_train(tmp_path):
     """--pp-degree takes a list like --tp-degree: each degree with every tp degree whose
-    product with it divides the world size, handed to distlm.train above 1, the replicas'
-    batch split over world / (tp x pp). A dry run: distlm.train's parsing and checks are
-    stood in for (on this branch distlm.train has no --pp-degree yet), so what is checked
-    is what the suite asks of it."""
-    asked = []
-    monkeypatch.setattr(scaling.LaunchSpec, "trainer_config", lambda spec, strategy: spec.trainer_flags(strategy))
-    monkeypatch.setattr(scaling, "validate", lambda flags, layout, backend: asked.append(flags))
+    product with it divides the world size, checked by distlm.train's own validation and
+    handed to it above 1 with the pipeline flags, the replicas' batch split over world /
+    (tp x pp). (The sweep above runs a pp-2 point for real.)"""
     args = scaling.parse_args(["--ranks", "1,2,4", "--strategy", "ddp,fsdp", "--tp-degree", "1,2", "--pp-degree",
-                               "1,2", "--mode", "strong", "--global-batch-size", "8", "--no-plots", "--out", str(tmp_path)])
+                               "1,2", "--pp-schedule", "gpipe", "--mode", "strong", "--global-batch-size", "8",
+                               "--no-plots", "--out", str(tmp_path)])
     planned = scaling.plan_launches(args, [1, 2, 4])
     measured = {(launch.world_size, launch.tp_degree, launch.pp_degree, launch.strategies)
                 for launch in scaling.measured_launches(planned)}
@@ -399,13 +442,14 @@ def test_pp_degrees_are_swept_and_handed_to_distlm_train(tmp_path, monkeypatch):
     }
     assert ["ddp", "allreduce", 1, 2] in scaling.combinations(planned)
     for launch in planned:
-        flags = scaling.launch_spec(args, launch, list(launch.strategies), [1, 2, 4]).trainer_flags("ddp")
+        spec = scaling.launch_spec(args, launch, list(launch.strategies), [1, 2, 4])
+        flags = spec.trainer_flags("ddp")
         assert ("--pp-degree" in flags) == (launch.pp_degree > 1)
         if launch.pp_degree > 1:
-            assert flags[flags.index("--pp-degree") + 1] == str(launch.pp_degree)
+            settings = spec.trainer_config("ddp").distributed
+            assert (settings.pp_degree, settings.pp_schedule) == (launch.pp_degree, "gpipe")
         replicas = launch.world_size // (launch.tp_degree * launch.pp_degree)
         assert int(flags[flags.index("--batch-size") + 1]) * replicas == 8  # strong scaling: one global batch
-    assert any("--pp-degree" in flags for flags in asked)
     with pytest.raises(UsageError, match="--ranks 3 is not a multiple of --tp-degree 2 x --pp-degree 2"):
         scaling.check_ranks([3], [2], [2])
 
@@ -438,6 +482,10 @@ def test_a_pipeline_point_is_against_the_one_rank_point():
     (["--comm-hook", "allreduce,fp32"], "--comm-hook fp32 is unknown"),
     (["--tp-degree", "2,4", "--ranks", "1,2"], "--ranks 1 is not a multiple of --tp-degree 2,4"),
     (["--tp-degree", "1,1"], "names a degree twice"),
+    (["--pp-schedule", "gpipe"], "add --pp-degree with a degree above 1"),
+    (["--pp-degree", "1,2", "--pp-schedule", "gpipe2"], "--pp-schedule: invalid choice"),
+    (["--pp-degree", "1,2", "--pp-microbatches", "-1"], "--pp-microbatches must be 0"),
+    (["--pp-degree", "2", "--ranks", "2", "--batch-size", "3"], "--batch-size 3 does not split into"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, tmp_path, capsys):
     assert bench_main(["scaling", *argv, "--no-plots", "--out", str(tmp_path / "out")]) == 2

@@ -70,7 +70,11 @@ class LaunchSpec:
     rendezvous_dir: str | None = None
     """Where the concurrent launches meet (``HostSharing``)."""
     pp_degree: int = 1
-    """distlm.train's --pp-degree (given only above 1)."""
+    """distlm.train's --pp-degree (given only above 1, with the three below)."""
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    """distlm.train's --pp-microbatches; 0: its default, twice the pp degree."""
+    pp_stages_per_rank: int = 1
 
     def trainer_flags(self, strategy: str) -> list[str]:
         """distlm.train's flags for ``strategy``: fixed-length samples, nothing saved or validated."""
@@ -85,7 +89,10 @@ class LaunchSpec:
             "--seed", str(self.seed),
         ]
         flags += ["--data", self.data] if self.data is not None else []
-        flags += ["--pp-degree", str(self.pp_degree)] if self.pp_degree > 1 else []
+        if self.pp_degree > 1:
+            flags += ["--pp-degree", str(self.pp_degree), "--pp-schedule", self.pp_schedule,
+                      "--pp-microbatches", str(self.pp_microbatches),
+                      "--pp-stages-per-rank", str(self.pp_stages_per_rank)]
         return flags + precision_flags(self.precision)
 
     def trainer_config(self, strategy: str) -> TrainConfig:

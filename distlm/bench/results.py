@@ -21,18 +21,22 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
+from distlm.errors import UsageError
 from distlm.models.flops import model_flops_utilization, model_shape
-from distlm.plan.model import executed_flops_per_token
+from distlm.plan.calibrate import calibrate, read_measurements
+from distlm.plan.model import Layout, Workload, executed_flops_per_token, load_cluster, project
+from distlm.precision import dtype_name
 
 # Rows with the same values of these fields are one scaling series; its efficiency is
 # measured against its smallest world size. Weak scaling keeps the per-replica batch,
 # strong scaling the global batch.
 SERIES_FIELDS = ("arch", "mode", "strategy", "tokens_per_sample", "update_freq", "precision", "comm_hook",
-                 "tp_degree", "pp_degree", "vocab_size", "device", "threads_per_rank")
+                 "tp_degree", "pp_degree", "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "vocab_size",
+                 "device", "threads_per_rank")
 # Fields rows written before they existed lack: their value then.
-FIELD_DEFAULTS = {"pp_degree": 1}
-# Model-parallel degrees: a series with them compares with the same settings without.
-MODEL_PARALLEL_FIELDS = ("tp_degree", "pp_degree")
+FIELD_DEFAULTS = {"pp_degree": 1, "pp_schedule": None, "pp_microbatches": None, "pp_stages_per_rank": None}
+# Model-parallel settings: a series with them compares with the same settings without.
+MODEL_PARALLEL_FIELDS = ("tp_degree", "pp_degree", "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 RESULTS, ALLREDUCE, CALIBRATION, TABLE = "results.jsonl", "allreduce.jsonl", "calibration.jsonl", "results.md"
 
 
@@ -52,7 +56,8 @@ def series_label(row: dict[str, Any]) -> str:
     """The strategy, with its comm hook, tp and pp degree where not the defaults (``ddp fp16``, ``fsdp tp2``)."""
     return (row["strategy"] + ("" if row["comm_hook"] == "allreduce" else f" {row['comm_hook']}")
             + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}")
-            + ("" if row.get("pp_degree", 1) == 1 else f" pp{row['pp_degree']}"))
+            + ("" if row.get("pp_degree", 1) == 1 else f" pp{row['pp_degree']}")
+            + ("" if row.get("pp_schedule") in (None, "1f1b") else f" {row['pp_schedule']}"))
 
 
 def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
@@ -116,6 +121,8 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             statistics.median(e["times"]["optimizer_dtensor_s"]) - statistics.median(e["times"]["optimizer_plain_s"])
             for e in entries if e["times"].get("optimizer_dtensor_s")
         ]
+        pp_degree = spec.get("pp_degree", 1)
+        pipelined = pp_degree > 1
         rows.append({
             "world_size": world_size,
             "strategy": strategy,
@@ -128,7 +135,11 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "global_batch_size": global_batch,
             "dp_degree": times["dp_degree"],
             "tp_degree": spec["tp_degree"],
-            "pp_degree": spec.get("pp_degree", 1),
+            "pp_degree": pp_degree,
+            "pp_schedule": spec.get("pp_schedule", "1f1b") if pipelined else None,
+            # distlm.train's default: twice the pp degree.
+            "pp_microbatches": (spec.get("pp_microbatches") or 2 * pp_degree) if pipelined else None,
+            "pp_stages_per_rank": spec.get("pp_stages_per_rank", 1) if pipelined else None,
             "precision": spec["precision"],
             "comm_hook": comm_hook,
             "device": launch["device"],
@@ -153,10 +164,49 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "param_bytes": memory.get("param_bytes"),
             "grad_bytes": memory.get("grad_bytes"),
             "optimizer_bytes": memory.get("optimizer_bytes"),
+            "predicted_step_time_s": None,
             "step_time_s_repeats": [s["step"] for s in summaries],
             "torch": launch["torch"],
         })
     return with_efficiency(rows)
+
+
+def predict_step_times(rows: list[dict[str, Any]], calibration: Path, bucket_cap_mb: float) -> list[str]:
+    """Fill each row's ``predicted_step_time_s``: the planner's projection of the point on
+    this machine (its ``local`` profile, every rank on this host), calibrated from
+    ``calibration`` (calibration.jsonl) as ``python -m distlm.plan --cluster local
+    --calibrate`` calibrates it. That file holds no update of more than one rank, so no
+    multi-rank point is predicted from its own measurement.
+
+    A row stays null off CPU (the profile is of this CPU host) and without a one-rank row of
+    its precision: compute would then rest on the profile's assumed fraction of peak, not
+    on a measurement. Returns a line for each point the planner refuses, and for a
+    calibration file it cannot fit, rather than losing the sweep's results to either."""
+    if not any(row["world_size"] == 1 for row in rows):
+        return []
+    try:
+        calibration_fit = calibrate(read_measurements(calibration))
+    except UsageError as exc:
+        return [f"no predicted step times: {exc}"]
+    host = max(row["world_size"] for row in rows)
+    cluster = calibration_fit.apply(load_cluster("local", ranks_per_node=host))
+    refused = []
+    for row in rows:
+        if row["device"] != "cpu" or dtype_name(row["precision"]) not in calibration_fit.achieved_flops:
+            continue
+        workload = Workload(
+            shape=model_shape(row["arch"], row["vocab_size"]), strategy=row["strategy"], precision=row["precision"],
+            tokens_per_sample=row["tokens_per_sample"], batch_size=row["batch_size"], update_freq=row["update_freq"],
+            comm_hook=row["comm_hook"], bucket_cap_mb=bucket_cap_mb,
+            pp_schedule=row.get("pp_schedule") or "1f1b", pp_microbatches=row.get("pp_microbatches"),
+            pp_stages_per_rank=row.get("pp_stages_per_rank"),
+        )
+        layout = Layout(nodes=1, ranks_per_node=row["world_size"], tp=row["tp_degree"], pp=row.get("pp_degree", 1))
+        try:
+            row["predicted_step_time_s"] = project(workload, cluster, layout).step_time_s
+        except UsageError as exc:
+            refused.append(f"no predicted step time for {series_label(row)} at {row['world_size']} ranks: {exc}")
+    return refused
 
 
 def baseline_key(row: dict[str, Any]) -> tuple:
@@ -335,16 +385,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "| ranks | strategy | batch per replica | global batch | step (s) | compute (s) | exposed comm (s) "
-        "| optimizer (s) | tokens/s | efficiency | MFU | memory per rank (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| optimizer (s) | predicted step (s) | tokens/s | efficiency | MFU | memory per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r["mode"], series_label(r), r["world_size"])):
         mfu = f"{row['mfu']:.3f}" if row["mfu"] is not None else "n/a"
         memory = f"{row['memory_bytes_per_rank'] / 2**20:.1f}" if row["memory_bytes_per_rank"] else "n/a"
+        predicted = row.get("predicted_step_time_s")
+        predicted = "n/a" if predicted is None else f"{predicted:.4f} ({predicted / row['step_time_s'] - 1:+.0%})"
         lines.append(
             f"| {row['world_size']} | {series_label(row)} | {row['batch_size']} x {row['update_freq']} "
             f"| {row['global_batch_size']} | {row['step_time_s']:.4f} | {row['compute_s']:.4f} "
-            f"| {row['comm_exposed_s']:.4f} | {row['optimizer_s']:.4f} | {row['tokens_per_s']:.0f} "
+            f"| {row['comm_exposed_s']:.4f} | {row['optimizer_s']:.4f} | {predicted} | {row['tokens_per_s']:.0f} "
             f"| {row['efficiency']:.3f} | {mfu} | {memory} |"
         )
     lines += [
@@ -352,6 +404,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "step: median update time. compute: the same updates with data-parallel communication off, less their "
         "optimizer part. exposed comm = step - compute - optimizer: the communication that compute did not hide "
         "(noise can make it slightly negative). optimizer: gradient unscale and clipping plus the optimizer step. "
+        "predicted step: the planner (distlm.plan, this machine's profile) calibrated from calibration.jsonl, "
+        "which holds no multi-rank update, and how far it is from the measured step. "
         "efficiency: tokens/s per rank over that of the smallest world size of the series (a tensor-parallel "
         "series: over the 1-rank point of its strategy). "
         "memory: parameters, gradients and optimizer state of the rank holding the most.",

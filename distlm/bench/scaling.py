@@ -45,7 +45,7 @@ from distlm.backends.hardware import host_cores
 from distlm.bench import plots, results
 from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch, rotated
 from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
-from distlm.choices import COMM_HOOKS, DEVICES, STRATEGIES
+from distlm.choices import COMM_HOOKS, DEVICES, PP_SCHEDULES, STRATEGIES
 from distlm.distributed import shutdown
 from distlm.env import ClusterEnv
 from distlm.precision import DTYPES
@@ -143,6 +143,12 @@ def build_parser() -> OneLineErrorParser:
     add("--pp-degree", type=whole_number_list("--pp-degree"), default=[1],
         help="pipeline degrees, comma-separated (default 1), passed to distlm.train's --pp-degree; each with "
              "every tp degree whose product with it divides the world size")
+    add("--pp-schedule", choices=PP_SCHEDULES, default="1f1b",
+        help="as distlm.train's, for the points of --pp-degree above 1 (default 1f1b)")
+    add("--pp-microbatches", type=int, default=0,
+        help="as distlm.train's: micro-batches each replica's batch is split into (default 0: twice the pp degree)")
+    add("--pp-stages-per-rank", type=int, default=1,
+        help="as distlm.train's: stages on each rank, 2 or more for the looped schedules (default 1)")
     add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
     add("--data", default=None,
         help="as distlm.train's --data: a fairseq-preprocess directory (default: the built-in corpus)")
@@ -174,6 +180,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 raise UsageError(f"{flag} must be at least 1, got {degree}")
         if len(set(degrees)) != len(degrees):
             raise UsageError(f"{flag} {','.join(map(str, degrees))} names a degree twice")
+    if args.pp_microbatches < 0:
+        raise UsageError(f"--pp-microbatches must be 0 (twice the pp degree) or more, got {args.pp_microbatches}")
+    if args.pp_stages_per_rank < 1:
+        raise UsageError(f"--pp-stages-per-rank must be at least 1, got {args.pp_stages_per_rank}")
+    pipeline_flags = (args.pp_schedule, args.pp_microbatches, args.pp_stages_per_rank) != ("1f1b", 0, 1)
+    if pipeline_flags and max(args.pp_degree) == 1:
+        raise UsageError("--pp-schedule, --pp-microbatches and --pp-stages-per-rank set the pipeline points; "
+                         "add --pp-degree with a degree above 1")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
         raise UsageError(f"--threads-per-rank must be at least 1, got {args.threads_per_rank}")
     if args.allreduce_max_mib < 0:
@@ -240,17 +254,21 @@ def allreduce_sizes(max_mib: float) -> list[int]:
     return sizes
 
 
-def launch_spec(args: argparse.Namespace, launch: Launch, strategies: list[str], ranks: list[int]) -> LaunchSpec:
-    """What ``launch`` measures (``strategies`` in this order), out of the sweep over ``ranks``."""
+def launch_spec(
+    args: argparse.Namespace, launch: Launch, strategies: list[str], ranks: list[int], probe: bool = True
+) -> LaunchSpec:
+    """What ``launch`` measures (``strategies`` in this order), out of the sweep over ``ranks``;
+    with ``probe`` and more than one rank, the collective probe too."""
     world_size = launch.world_size
     return LaunchSpec(
         arch=args.arch, strategies=strategies,
         batch_size=replica_batch_size(args, world_size, ranks, launch.tp_degree, launch.pp_degree),
         update_freq=args.update_freq, tokens_per_sample=args.tokens_per_sample, precision=args.precision,
         comm_hook=launch.comm_hook, tp_degree=launch.tp_degree, pp_degree=launch.pp_degree,
-        bucket_cap_mb=args.bucket_cap_mb,
+        pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+        pp_stages_per_rank=args.pp_stages_per_rank, bucket_cap_mb=args.bucket_cap_mb,
         device=args.device, steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
-        allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 else [],
+        allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 and probe else [],
     )
 
 
@@ -342,12 +360,16 @@ def run_launches(
     launches = []
     _say(f"distlm.bench scaling: {args.arch}, {args.mode} scaling, ranks {','.join(map(str, ranks))}, "
          f"strategies {','.join(args.strategy)}, comm hooks {','.join(args.comm_hook)}, tp degrees "
-         f"{','.join(map(str, args.tp_degree))}, {args.repeats} repetition(s), {threads} thread(s) per rank")
+         f"{','.join(map(str, args.tp_degree))}, pp degrees {','.join(map(str, args.pp_degree))}, "
+         f"{args.repeats} repetition(s), {threads} thread(s) per rank")
     for repeat in range(args.repeats):
         for world_size in rotated(ranks, repeat):
-            for planned_launch in rotated([item for item in planned if item.world_size == world_size], repeat):
+            # The collective probe times the world size's process group, whatever a launch's
+            # tp and pp degrees: the first launch of the world size runs it for every repetition.
+            for index, planned_launch in enumerate(
+                    rotated([item for item in planned if item.world_size == world_size], repeat)):
                 strategies = rotated(list(planned_launch.strategies), repeat)
-                spec = launch_spec(args, planned_launch, strategies, ranks)
+                spec = launch_spec(args, planned_launch, strategies, ranks, probe=index == 0)
                 label = f"repetition {repeat + 1}/{args.repeats}, {planned_launch.label()}"
                 _say(f"[{label}] {', '.join(strategies)}: batch {spec.batch_size} x {spec.update_freq} per replica")
                 started = time.perf_counter()
@@ -484,9 +506,9 @@ def run_in_place(args: argparse.Namespace, env: ClusterEnv, planned: list[Launch
     ranks = [env.world_size]
     launches = []
     for repeat in range(args.repeats):
-        for planned_launch in rotated(planned, repeat):
+        for index, planned_launch in enumerate(rotated(planned, repeat)):
             strategies = rotated(list(planned_launch.strategies), repeat)
-            spec = launch_spec(args, planned_launch, strategies, ranks)
+            spec = launch_spec(args, planned_launch, strategies, ranks, probe=index == 0)
             label = f"repetition {repeat + 1}/{args.repeats}, {planned_launch.label()} in place"
 
             def progress(line: str, label: str = label) -> None:
@@ -509,12 +531,17 @@ def write_outputs(
     if merge:
         rows = results.merge_rows(results.read_jsonl(out_dir / results.RESULTS), rows)
         reports = results.merge_reports(results.read_jsonl(out_dir / results.ALLREDUCE), reports)
-    results.write_jsonl(out_dir / results.RESULTS, rows)
     if reports:
         results.write_jsonl(out_dir / results.ALLREDUCE, reports)
     calibration = results.calibration_objects(rows, reports, sharing)
     if calibration:
         results.write_jsonl(out_dir / results.CALIBRATION, calibration)
+        if not merge:
+            # The planner's local profile is this machine, where the suite ran every point;
+            # inside a launch the ranks may span a cluster it does not describe.
+            for line in results.predict_step_times(rows, out_dir / results.CALIBRATION, args.bucket_cap_mb):
+                _say(f"distlm.bench scaling: {line}")
+    results.write_jsonl(out_dir / results.RESULTS, rows)
     (out_dir / results.TABLE).write_text(results.markdown_table(rows))
     if not args.no_plots:
         plots.write_plots(rows, out_dir)

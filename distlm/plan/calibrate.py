@@ -259,7 +259,7 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
         if _positive(row.get("compute_s")):
             rates.setdefault(precision, []).append(flops / row["compute_s"])
         if _positive(row.get("optimizer_s")):
-            bandwidths.append(count_parameters(shape) * ADAM_BYTES_PER_PARAM / row["optimizer_s"])
+            bandwidths.append(optimizer_bandwidth(shape, row["optimizer_s"]))
         overhead = row.get("dtensor_optimizer_overhead_s")
         if isinstance(overhead, (int, float)) and not isinstance(overhead, bool):
             # Timing noise can make a negligible overhead come out below zero.
@@ -298,12 +298,24 @@ def calibrate(measurements: Measurements, vocab_size: int | None = None) -> Cali
     return result
 
 
+def update_flops(shape: ModelShape, tokens_per_sample: int, samples: int) -> float:
+    """FLOPs one update of ``samples`` samples runs (forward and backward, as the planner
+    times them); over its measured compute seconds, the achieved FLOP/s."""
+    return samples * tokens_per_sample * executed_flops_per_token(shape, tokens_per_sample)
+
+
+def optimizer_bandwidth(shape: ModelShape, optimizer_s: float) -> float:
+    """Bytes per second an optimizer step (clipping and AdamW over every parameter) of
+    ``optimizer_s`` seconds implies: the planner's memory bandwidth."""
+    return count_parameters(shape) * ADAM_BYTES_PER_PARAM / optimizer_s
+
+
 def _update_work(row: dict[str, Any], vocab_size: int | None) -> tuple[ModelShape, float, str]:
     """The model shape, FLOPs run per update and precision of a scaling or host-sharing row."""
     shape = model_shape(row["arch"], row.get("vocab_size", vocab_size))
     tokens = int(row["tokens_per_sample"])
     samples = int(row["batch_size"]) * int(row.get("update_freq", 1))
-    return shape, samples * tokens * executed_flops_per_token(shape, tokens), dtype_name(row.get("precision", "fp32"))
+    return shape, update_flops(shape, tokens, samples), dtype_name(row.get("precision", "fp32"))
 
 
 def _fit_host_sharing(
