@@ -31,17 +31,21 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     device = ctx.device
     local_targets = sum(b["target_count"] for b in micro_batches)
     tensors = [to_device(b, device) for b in micro_batches]
-    # The stop signals ride along in the all-reduce of the global target count: every
-    # rank learns at this update that some rank was signalled, for no extra collective.
-    global_targets = torch.tensor([local_targets, *trainer.stop.local_flags()], dtype=torch.float64, device=device)
-    if ctx.dp_group is not None:
+    # One all-reduce over every rank carries the target count and the stop signals, so
+    # every rank learns at this update that some rank was signalled, under tensor and
+    # pipeline parallelism too, for no collective of their own. The ranks of one replica
+    # hold the same batch: the world's sum counts each replica's targets world / dp times
+    # (integers, exact in float64).
+    counts = torch.tensor([local_targets, *trainer.stop.local_flags()], dtype=torch.float64, device=device)
+    if ctx.world_group is not None:
         with trainer.observer.waiting_for_peers():  # ranks with their batch ready wait here for the late ones
-            dist.all_reduce(global_targets, group=ctx.dp_group)
+            dist.all_reduce(counts, group=ctx.world_group)
+    global_targets = counts[:1] / (ctx.world_size // ctx.dims.dp)
     loss_scale = precision.loss_scale
     # DDP averages gradients over replicas; multiplying by their number makes the
     # result the gradient of (summed loss / global target tokens): normalised once.
     # A device tensor, so nothing waits for the count to reach the host.
-    factor = (ctx.dims.dp * loss_scale / global_targets[:1].clamp(min=1)).float()
+    factor = (ctx.dims.dp * loss_scale / global_targets.clamp(min=1)).float()
     gradient_loss_scale = handle.gradient_loss_scale(loss_scale)
 
     trainer.model.train()
@@ -61,9 +65,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     lr = trainer.schedule.apply(trainer.optimizer, update)
     gnorm = handle.unscale_and_clip_(gradient_loss_scale, trainer.config.optim.clip_norm or math.inf)
     # The update's one host synchronisation: the gradient norm, and whether any rank was signalled.
-    gnorm_value, *signalled = torch.cat([
-        local_value(gnorm).detach().reshape(1).double(),
-        _stop_flags_of_every_rank(ctx, global_targets[1:])]).tolist()
+    gnorm_value, *signalled = torch.cat([local_value(gnorm).detach().reshape(1).double(), counts[1:]]).tolist()
     trainer.stop.agree(signalled)
     finite = math.isfinite(gnorm_value)
     applied = finite and handle.gradients_ready
@@ -107,12 +109,3 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         record["loss_scale"] = precision.loss_scale
     return record
 
-
-def _stop_flags_of_every_rank(ctx, summed_flags: torch.Tensor) -> torch.Tensor:
-    """The stop signals summed over the data-parallel group, summed once more over the
-    world where that group is not the world (tensor parallel): one small all-reduce per
-    update in that layout only."""
-    if ctx.is_distributed and ctx.dims.dp != ctx.world_size:
-        summed_flags = summed_flags.clone()
-        dist.all_reduce(summed_flags, group=ctx.world_group)
-    return summed_flags
