@@ -160,16 +160,21 @@ class Printer:
             return
         if self.bar is not None:
             self.bar.set_postfix({k: record[k] for k in ("loss", "lr") if k in record}, refresh=False)
-            self.bar.write(self._simple(kind, record))
-        elif self.format == "simple":
-            print(self._simple(kind, record), flush=True)
+            self.bar.write(_simple(kind, record))
         else:
-            print(json.dumps(strict_json({"kind": kind, **record}), allow_nan=False), flush=True)
+            print(self.line(record, kind), flush=True)
 
-    @staticmethod
-    def _simple(kind: str, record: dict) -> str:
-        return f"{kind} | " + " | ".join(f"{k} {v}" for k, v in record.items())
+    def line(self, record: dict, kind: str = "train") -> str:
+        """``record`` as one line of text: ``kind | key value | ...`` for ``--log-format simple``,
+        else strict JSON (what a file holds; the bar's written lines are the simple form)."""
+        if self.format == "simple":
+            return _simple(kind, record)
+        return json.dumps(strict_json({"kind": kind, **record}), allow_nan=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _simple(kind: str, record: dict) -> str:
+    return f"{kind} | " + " | ".join(f"{k} {v}" for k, v in record.items())
