@@ -20,7 +20,7 @@ from distlm.builder import build_model_for_run, choose_vocabulary, resolve_model
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
-from distlm.data import GlobalBatchSampler, load_split
+from distlm.data import GlobalBatchSampler, SharedScan, load_split
 from distlm.data.batches import check_global_batch, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.loss import ModelInputs, summed_cross_entropy
@@ -69,8 +69,10 @@ class Trainer:
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
         self.observer = Observer(config, self.ctx, resume.meta if resume is not None else None)
+        # Each rank checks the ids of its share of every split's file, and all learn every verdict.
+        scan = SharedScan(self.ctx.rank, self.ctx.world_size, self.ctx.all_gather_object)
         self.data = train_data if train_data is not None else load_split(
-            config, "train", self.task, resume.dictionary if resume else None)
+            config, "train", self.task, resume.dictionary if resume else None, scan)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
@@ -102,7 +104,7 @@ class Trainer:
         if train_data is not None and not config.data.disable_validation and self.ctx.is_main:
             logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
         subsets = {} if train_data is not None else load_validation_subsets(
-            config, self.task, list(self.data.dictionary.symbols))
+            config, self.task, list(self.data.dictionary.symbols), scan)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
                                    self.model_inputs.masked_positions)
