@@ -171,9 +171,9 @@ class Trainer:
             printer.close()
             self.checkpointer.close()
         with self.ctx.naming_failed_collectives(self.progress.num_updates):
-            final = {**self.summary, "update": self.progress.num_updates,
+            final = {**self.summary, **stats.summary_rates(), "update": self.progress.num_updates,
                      "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                     "train_wall": round(self.progress.train_wall, 2),
                      "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
             if self.stop.agreed:
                 final["stopped_by"] = self.stop.describe()
