@@ -146,6 +146,8 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
         printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
+        # A pipeline stage keeps the whole model's config, so its FLOPs per token are the
+        # model's: global tokens times those, over every device's peak, as without stages.
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
