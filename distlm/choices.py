@@ -40,6 +40,17 @@ NETWORKS = ("auto", "efa", "tcp")
 COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
 """Gradient reduction algorithms of ``--comm-hook`` (parallel/comm_hooks.py)."""
 
+COMM_HOOK_WIRE_DTYPES = {"fp16": "fp16", "bf16": "bf16", "hierarchical-fp16": "fp16"}
+"""The comm hooks that send gradients in a half type (``hierarchical-fp16`` between nodes
+only), and its name in ``precision.DTYPES``; the others send the gradients' own dtype.
+The reducers, the planner's cost and parity's tolerance all read it here."""
+
+
+def comm_hook_wire_dtype(comm_hook: str) -> str | None:
+    """The half type ``comm_hook`` rounds gradients to on the wire; None for full precision."""
+    return COMM_HOOK_WIRE_DTYPES.get(comm_hook)
+
+
 COMM_TRANSPORTS = ("torch", "mpi")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")

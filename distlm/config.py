@@ -379,6 +379,8 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
 }
 # --rope-scaling's names (choices.ROPE_SCALINGS) for the model's rope_type.
 ROPE_SCALING_TYPES = {"none": "default", "llama3": "llama3"}
+# The arch flags whose command-line names differ from their config field's values: flag -> name -> value.
+ARCH_FLAG_VALUES: dict[str, dict[str, Any]] = {"rope_scaling": ROPE_SCALING_TYPES}
 # Settings every arch has, under the config field of each family.
 SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
     "dropout": {"roberta": "dropout", "llama": "dropout"},
@@ -657,7 +659,7 @@ def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
                 f"--{name.replace('_', '-')} {verb} a {flag_family} model, but --arch {model.arch} is a {family} "
                 f"model; drop it or use the --{'decoder' if family == 'llama' else 'encoder'}-* flags"
             )
-        overrides[field_name] = ROPE_SCALING_TYPES[value] if name == "rope_scaling" else value
+        overrides[field_name] = ARCH_FLAG_VALUES[name][value] if name in ARCH_FLAG_VALUES else value
     if family == "llama" and model.decoder_attention_heads is not None and model.kv_heads is None:
         # New query heads without --kv-heads: one key/value head per query head, never the
         # arch's old grouping silently kept.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
 from distlm.config import TrainConfig
-from distlm.data import load_split
+from distlm.data import SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
@@ -41,12 +41,14 @@ class ValidationResult:
         return perplexity(self.loss)
 
 
-def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] | None) -> dict[str, Any]:
-    """Each split of ``--valid-subset`` (none with ``--disable-validation``), with fixed masks."""
+def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] | None,
+                            scan: SharedScan | None = None) -> dict[str, Any]:
+    """Each split of ``--valid-subset`` (none with ``--disable-validation``), with fixed masks;
+    ``scan``: the ranks that share the check of their ids (a collective)."""
     settings = config.data
     if settings.disable_validation:
         return {}
-    return {name: load_split(config, name, task, symbols)
+    return {name: load_split(config, name, task, symbols, scan)
             for name in (part.strip() for part in settings.valid_subset.split(",")) if name}
 
 

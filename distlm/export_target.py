@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from distlm.checkpoint.directory import fsync_dir, fsync_tree
+from distlm.checkpoint.lock import process_exists
 from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
@@ -98,18 +99,8 @@ def _remove_abandoned_stages(out: Path) -> None:
     """Stages of killed exports to ``out``: their process (named in the stage) is gone."""
     for stage in out.parent.glob(f".{out.name}.*.partial"):
         pid = stage.name[len(out.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _process_exists(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             shutil.rmtree(stage, ignore_errors=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _replace_directory(stage: Path, out: Path) -> None:

@@ -11,6 +11,7 @@ import logging
 import math
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,11 @@ class TrainStats:
         of ``devices`` devices; the tokens are the global input tokens of the run."""
         self.device = torch.device(device)
         self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
-        self.run_input_tokens = 0.0
-        self.run_seconds = 0.0
+        self.whole_run = [0.0, 0, 0.0]
+        """Global input tokens, updates and seconds of every logged interval of this process."""
+        self.steady = [0.0, 0, 0.0]
+        """The same after the first logged interval, whose updates compile and warm up."""
+        self.intervals = 0
         self._start_interval()
 
     def _start_interval(self) -> None:
@@ -65,19 +69,28 @@ class TrainStats:
             dist.all_reduce(sums, group=group)
         elapsed = time.perf_counter() - self.started
         values = dict(zip(self.FIELDS, sums.tolist()))
-        self.run_input_tokens += values["input_tokens"]
-        self.run_seconds += elapsed
+        interval = (values["input_tokens"], self.updates, elapsed)
+        if self.intervals:
+            self.steady = [total + part for total, part in zip(self.steady, interval)]
+        self.whole_run = [total + part for total, part in zip(self.whole_run, interval)]
+        self.intervals += 1
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
-        tokens_per_s = values["input_tokens"] / elapsed
+        rates = self._rates(*interval)
         return {
             "loss": round(loss, 4),
             "ppl": round(perplexity(loss), 2),
-            "wps": round(tokens_per_s, 1),
-            "ups": round(self.updates / elapsed, 3),
+            "wps": rates["wps"],
+            "ups": rates["ups"],
             "bsz": values["samples"] / max(self.updates, 1),
-            "tokens_per_sec_per_device": round(tokens_per_s / self.devices, 1),
-            "mfu": _rounded(self.mfu(tokens_per_s)),
+            "tokens_per_sec_per_device": rates["tokens_per_sec_per_device"],
+            "mfu": rates["mfu"],
         }
+
+    def _rates(self, input_tokens: float, updates: int, seconds: float) -> dict[str, float | None]:
+        tokens_per_s = input_tokens / seconds
+        return {"wps": round(tokens_per_s, 1), "ups": round(updates / seconds, 3),
+                "tokens_per_sec_per_device": round(tokens_per_s / self.devices, 1),
+                "mfu": _rounded(self.mfu(tokens_per_s))}
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOP/s over the peak of every device; None when the model's FLOPs or the
@@ -86,11 +99,16 @@ class TrainStats:
             return None
         return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak_flops_per_device, self.devices)
 
-    def run_mfu_or_none(self) -> float | None:
-        """The MFU of this run so far (this process's, not a resumed run's past), from every
-        logged interval, rounded for the log; None when unknown."""
-        tokens_per_s = self.run_input_tokens / self.run_seconds if self.run_seconds > 0 else 0.0
-        return _rounded(self.mfu(tokens_per_s))
+    def summary_rates(self) -> dict[str, Any]:
+        """The summary line's wps, ups, tokens per second per device and MFU, all over the
+        window ``rates_over`` names: ``after_first_interval`` (steady state: the first logged
+        interval compiles and warms up), or ``whole_run`` where only one interval was logged;
+        {} before any."""
+        if self.intervals > 1:
+            return {**self._rates(*self.steady), "rates_over": "after_first_interval"}
+        if self.intervals == 1:
+            return {**self._rates(*self.whole_run), "rates_over": "whole_run"}
+        return {}
 
     def reset(self) -> None:
         self._start_interval()
@@ -160,16 +178,21 @@ class Printer:
             return
         if self.bar is not None:
             self.bar.set_postfix({k: record[k] for k in ("loss", "lr") if k in record}, refresh=False)
-            self.bar.write(self._simple(kind, record))
-        elif self.format == "simple":
-            print(self._simple(kind, record), flush=True)
+            self.bar.write(_simple(kind, record))
         else:
-            print(json.dumps(strict_json({"kind": kind, **record}), allow_nan=False), flush=True)
+            print(self.line(record, kind), flush=True)
 
-    @staticmethod
-    def _simple(kind: str, record: dict) -> str:
-        return f"{kind} | " + " | ".join(f"{k} {v}" for k, v in record.items())
+    def line(self, record: dict, kind: str = "train") -> str:
+        """``record`` as one line of text: ``kind | key value | ...`` for ``--log-format simple``,
+        else strict JSON (what a file holds; the bar's written lines are the simple form)."""
+        if self.format == "simple":
+            return _simple(kind, record)
+        return json.dumps(strict_json({"kind": kind, **record}), allow_nan=False)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _simple(kind: str, record: dict) -> str:
+    return f"{kind} | " + " | ".join(f"{k} {v}" for k, v in record.items())

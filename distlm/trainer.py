@@ -1,10 +1,8 @@
-"""Trainer: the loop (step, log, save) over a model parallelised from outside.
+"""Trainer: the loop (step, log, validate, save) over a model parallelised from outside.
 
-One update is: ``--update-freq`` micro-batches, gradients synchronised on the last
-only; the summed loss divided once by the global number of target tokens; unscale,
-clip, finite check, step, learning rate. The data position is one global count of
-consumed samples, so the next batch is known exactly after a resume. An update costs
-one host synchronisation: the finite check of the gradient norm.
+The step itself, one update, is distlm/train_step.py. The data position is one global
+count of consumed samples, so the next batch is known exactly after a resume. An update
+costs one host synchronisation: the finite check of the gradient norm.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import time
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.agreement import check_ranks_agree
@@ -23,12 +20,10 @@ from distlm.builder import build_model_for_run, choose_vocabulary, resolve_model
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
-from distlm.data import GlobalBatchSampler, load_split
-from distlm.data.batches import check_global_batch, to_device, update_batches
+from distlm.data import GlobalBatchSampler, SharedScan, load_split
+from distlm.data.batches import check_global_batch, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
-from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.loss import ModelInputs, summed_cross_entropy
-from distlm.memory import memory_report
 from distlm.metrics import TrainStats, mfu_inputs
 from distlm.observe import Observer, check_observe_settings
 from distlm.evaluation import Validator, load_validation_subsets
@@ -37,11 +32,11 @@ from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need,
 from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
-from distlm.parallel.tp import local_value
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
 from distlm.start_log import log_start
+from distlm.train_step import train_step
 
 logger = logging.getLogger("distlm")
 
@@ -74,8 +69,10 @@ class Trainer:
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
         self.observer = Observer(config, self.ctx, resume.meta if resume is not None else None)
+        # Each rank checks the ids of its share of every split's file, and all learn every verdict.
+        scan = SharedScan(self.ctx.rank, self.ctx.world_size, self.ctx.all_gather_object)
         self.data = train_data if train_data is not None else load_split(
-            config, "train", self.task, resume.dictionary if resume else None)
+            config, "train", self.task, resume.dictionary if resume else None, scan)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
@@ -107,7 +104,7 @@ class Trainer:
         if train_data is not None and not config.data.disable_validation and self.ctx.is_main:
             logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
         subsets = {} if train_data is not None else load_validation_subsets(
-            config, self.task, list(self.data.dictionary.symbols))
+            config, self.task, list(self.data.dictionary.symbols), scan)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
                                    self.model_inputs.masked_positions)
@@ -149,6 +146,8 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
         printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
+        # A pipeline stage keeps the whole model's config, so its FLOPs per token are the
+        # model's: global tokens times those, over every device's peak, as without stages.
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
@@ -174,9 +173,9 @@ class Trainer:
             printer.close()
             self.checkpointer.close()
         with self.ctx.naming_failed_collectives(self.progress.num_updates):
-            final = {**self.summary, "update": self.progress.num_updates,
+            final = {**self.summary, **stats.summary_rates(), "update": self.progress.num_updates,
                      "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2), "mfu": stats.run_mfu_or_none(),
+                     "train_wall": round(self.progress.train_wall, 2),
                      "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
             if self.stop.agreed:
                 final["stopped_by"] = self.stop.describe()
@@ -253,86 +252,8 @@ class Trainer:
         return bool(cfg.max_epoch) and self.progress.consumed_samples >= cfg.max_epoch * len(self.data)
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
-        """One update over this rank's ``--update-freq`` micro-batches."""
-        device = self.ctx.device
-        local_targets = sum(b["target_count"] for b in micro_batches)
-        tensors = [to_device(b, device) for b in micro_batches]
-        # The stop signals ride along in the all-reduce of the global target count: every
-        # rank learns at this update that some rank was signalled, for no extra collective.
-        global_targets = torch.tensor([local_targets, *self.stop.local_flags()], dtype=torch.float64, device=device)
-        if self.ctx.dp_group is not None:
-            with self.observer.waiting_for_peers():  # ranks with their batch ready wait here for the late ones
-                dist.all_reduce(global_targets, group=self.ctx.dp_group)
-        loss_scale = self.precision.loss_scale
-        # DDP averages gradients over replicas; multiplying by their number makes the
-        # result the gradient of (summed loss / global target tokens): normalised once.
-        # A device tensor, so nothing waits for the count to reach the host.
-        factor = (self.ctx.dims.dp * loss_scale / global_targets[:1].clamp(min=1)).float()
-        gradient_loss_scale = self.handle.gradient_loss_scale(loss_scale)
-
-        self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        if self.pipeline is not None:  # whole pipeline passes; the loss arrives from the last stage
-            with self.handle.loss_context():
-                loss_sum = self.pipeline.forward_backward(tensors, factor, self._autocast)
-        else:
-            for i, batch in enumerate(tensors):
-                with self.handle.gradient_sync(enabled=i == len(tensors) - 1), self.handle.loss_context():
-                    with self._autocast():
-                        loss = self.compute_loss(batch)
-                    (loss * factor).backward()
-                loss_sum += self.handle.local_loss(loss.detach()).double()
-
-        update = self.progress.num_updates + 1
-        lr = self.schedule.apply(self.optimizer, update)
-        gnorm = self.handle.unscale_and_clip_(gradient_loss_scale, self.config.optim.clip_norm or math.inf)
-        # The update's one host synchronisation: the gradient norm, and whether any rank was signalled.
-        gnorm_value, *signalled = torch.cat([
-            local_value(gnorm).detach().reshape(1).double(),
-            self._stop_flags_of_every_rank(global_targets[1:])]).tolist()
-        self.stop.agree(signalled)
-        finite = math.isfinite(gnorm_value)
-        applied = finite and self.handle.gradients_ready
-        if not finite and self.precision.scaler is None:
-            name = first_nonfinite_gradient(self.model, self.ctx.world_group)
-            raise DivergenceError(
-                f"update {update}: the gradient norm is {gnorm_value}, first non-finite in the gradient of {name}; "
-                "the run diverged: lower --lr (or clip with --clip-norm)"
-            )
-        if not finite:
-            logger.info("update %d: gradient overflow at loss scale %g, update skipped", update, loss_scale)
-        elif not applied:
-            logger.info("double buffering: the first update's gradients are still in flight; it applies no update")
-        else:
-            with self.handle.mixed_placements():
-                self.ctx.backend.optimizer_step(self.optimizer)
-            self.progress.num_updates = update
-        if self.precision.scaler is not None:
-            try:
-                self.precision.scaler.update(not finite)
-            except FloatingPointError as err:
-                self.optimizer.zero_grad(set_to_none=True)
-                with self._autocast(), self.handle.loss_context():
-                    place = locate_nonfinite(self.model, tensors, self.compute_loss, factor,
-                                             self.ctx.all_gather_object)
-                raise DivergenceError(f"update {update}: {err}; first non-finite: {place}") from None
-        self.progress.consumed_samples += self.sampler.global_batch_size  # before _done(), which --max-epoch reads
-        if self._done() or self.progress.num_updates % self.config.logging.log_interval == 0:
-            # Measured while gradients still exist: zero_grad below frees them.
-            self.last_memory = memory_report(self.model, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.ctx.backend.mark_step()
-        if self.config.distributed.check_replicas:
-            self.check_replicas()
-        record = {
-            "loss_sum": loss_sum, "target_tokens": local_targets,
-            "input_tokens": sum(b["input_count"] for b in micro_batches),
-            "samples": sum(len(b["input_ids"]) for b in micro_batches),
-            "lr": float(f"{lr:.6g}"), "gnorm": gnorm_value, "applied": applied,
-        }
-        if self.precision.scaler is not None:
-            record["loss_scale"] = self.precision.loss_scale
-        return record
+        """One update over this rank's ``--update-freq`` micro-batches (distlm/train_step.py)."""
+        return train_step(self, micro_batches)
 
     def stop_line(self) -> str:
         """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
@@ -347,15 +268,6 @@ class Trainer:
         data = self.config.data
         return (f"{self._state_need(self.model)}, plus the activations of --batch-size {data.batch_size} x "
                 f"--tokens-per-sample {data.tokens_per_sample} tokens")
-
-    def _stop_flags_of_every_rank(self, summed_flags: torch.Tensor) -> torch.Tensor:
-        """The stop signals summed over the data-parallel group, summed once more over the
-        world where that group is not the world (tensor parallel): one small all-reduce per
-        update in that layout only."""
-        if self.ctx.is_distributed and self.ctx.dims.dp != self.ctx.world_size:
-            summed_flags = summed_flags.clone()
-            dist.all_reduce(summed_flags, group=self.ctx.world_group)
-        return summed_flags
 
     def _autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""

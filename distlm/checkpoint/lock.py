@@ -125,15 +125,22 @@ def _read(path: Path) -> dict[str, Any] | None:
     return holder if isinstance(holder, dict) else {"run": "unknown (unreadable lock)", "host": None, "pid": None}
 
 
+def process_exists(pid: int) -> bool:
+    """Whether process ``pid`` of this host is alive (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
 def _stale(holder: dict[str, Any], path: Path) -> str | None:
     """Why the lock ``holder`` no longer stands for a live run, or None."""
     if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
+        if not process_exists(holder["pid"]):
             return f"its process {holder['pid']} is gone"
-        except PermissionError:
-            pass  # alive, another user's
     try:
         age = time.time() - os.stat(path).st_mtime
     except OSError:

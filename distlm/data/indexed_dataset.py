@@ -186,10 +186,12 @@ class MMapIndexedDataset:
         """Sequence ``index`` as an int64 array (a copy; the file stays read-only)."""
         return self.get_slice(index, 0, int(self.sizes[index]))
 
-    def find_id_outside(self, low: int, high: int) -> tuple[int, int] | None:
+    def find_id_outside(self, low: int, high: int, part: tuple[int, int] = (0, 1)) -> tuple[int, int] | None:
         """The first token id outside ``[low, high)`` and its sequence; None if every id is inside.
 
-        One pass over the .bin in chunks of 64 Mi ids: about a second per few GB.
+        ``part=(index, count)`` reads only the index-th of ``count`` equal consecutive runs of
+        the ids, so ``count`` readers share one pass. One pass over the .bin in chunks of
+        64 Mi ids: about a second per few GB.
         """
         if not len(self.sizes) or not self._data.size:
             return None
@@ -197,12 +199,14 @@ class MMapIndexedDataset:
         end = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
         ids = np.frombuffer(self._data, dtype=self.dtype.newbyteorder("<"), count=(end - start) // self.dtype.itemsize,
                             offset=start)
+        index, count = part
+        ours = range(len(ids) * index // count, len(ids) * (index + 1) // count)
         chunk = 1 << 26
-        for first in range(0, len(ids), chunk):
-            part = ids[first:first + chunk]
-            if part.min() >= low and part.max() < high:
+        for first in range(ours.start, ours.stop, chunk):
+            piece = ids[first:min(first + chunk, ours.stop)]
+            if piece.min() >= low and piece.max() < high:
                 continue
-            position = first + int(np.argmax((part < low) | (part >= high)))
+            position = first + int(np.argmax((piece < low) | (piece >= high)))
             byte = start + position * self.dtype.itemsize
             sequence = int(np.searchsorted(self.pointers, byte, side="right")) - 1
             return int(ids[position]), sequence

@@ -16,8 +16,10 @@ with epoch 1), so validation losses compare across epochs and runs.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,12 +40,33 @@ _EXPECTED_LAYOUT = (
 )
 
 
+@dataclass(frozen=True)
+class SharedScan:
+    """Ranks that share the load-time scan of a split for ids outside the vocabulary: this
+    one reads part ``index`` of ``count``, and ``gather`` (a collective over all of them,
+    results in index order) hands every rank every part's verdict, so each raises the same
+    line having read 1/count of the file."""
+
+    index: int
+    count: int
+    gather: Callable[[Any], list[Any]]
+
+
+def first_id_outside(tokens: MMapIndexedDataset, size: int, scan: SharedScan | None) -> tuple[int, int] | None:
+    """The file's first id outside ``[0, size)`` and its sequence (collective with ``scan``)."""
+    if scan is None:
+        return tokens.find_id_outside(0, size)
+    found = scan.gather(tokens.find_id_outside(0, size, part=(scan.index, scan.count)))
+    return next((verdict for verdict in found if verdict is not None), None)  # parts lie in file order
+
+
 class LMData:
     """Samples of one split for one task; build it with :func:`load_lm_data`.
 
     ``dictionary`` is the vocabulary (a :class:`Dictionary` or an :class:`HFVocabulary`);
     ``tokenizer_dir`` is the Hugging Face tokenizer directory the data was made with, or
     None for ``dict.txt`` data. With ``fixed_masks`` every epoch gets epoch 0's masks.
+    ``scan``: the ranks that share the check of the ids (None: this process reads it all).
     """
 
     def __init__(
@@ -57,6 +80,7 @@ class LMData:
         mask_prob: float,
         mask_special_tokens: bool = True,
         fixed_masks: bool = False,
+        scan: SharedScan | None = None,
     ) -> None:
         self.tokens = tokens
         self.dictionary = dictionary
@@ -66,7 +90,7 @@ class LMData:
         self.tokenizer_dir: Path | None = dictionary.tokenizer_dir if isinstance(dictionary, HFVocabulary) else None
         # All of the file, at load: a bad id met at a sample would stop only the rank (or the
         # data worker) that reads it, possibly hours in, while the other ranks wait for it.
-        outside = tokens.find_id_outside(0, len(dictionary))
+        outside = first_id_outside(tokens, len(dictionary), scan)
         if outside is not None:
             raise UsageError(
                 f"data {tokens.prefix} holds token id {outside[0]} (in sequence {outside[1]}) outside the dictionary's "
@@ -125,14 +149,15 @@ class LMData:
         }
 
 
-def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None) -> LMData:
+def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None,
+               scan: SharedScan | None = None) -> LMData:
     """Split ``split`` of ``--data`` (the built-in corpus by default) as the run's settings
     read it; ``symbols`` from a checkpoint must agree with its vocabulary."""
     settings = config.data
     return load_lm_data(
         settings.data, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
         sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
-        symbols=symbols, mask_special_tokens=settings.mask_special_tokens,
+        symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan,
     )
 
 
@@ -149,6 +174,7 @@ def load_lm_data(
     symbols: Sequence[str] | None = None,
     mask_special_tokens: bool = True,
     fixed_masks: bool | None = None,
+    scan: SharedScan | None = None,
 ) -> LMData:
     """Open ``split`` of a data directory (``path=None``: the built-in corpus).
 
@@ -162,7 +188,8 @@ def load_lm_data(
 
     ``mask_special_tokens`` picks fairseq's masking rule (True) or never masking special
     tokens (see :class:`DynamicMasker`). ``fixed_masks`` makes the masks independent of
-    the epoch; by default (None) every split but ``train`` has fixed masks.
+    the epoch; by default (None) every split but ``train`` has fixed masks. ``scan``: the
+    ranks that share the check of the ids (a collective; see :class:`SharedScan`).
     """
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
@@ -198,6 +225,7 @@ def load_lm_data(
         mask_prob,
         mask_special_tokens=mask_special_tokens,
         fixed_masks=split != "train" if fixed_masks is None else fixed_masks,
+        scan=scan,
     )
     if len(data) == 0:
         raise UsageError(f"split {split!r} of data path {directory} holds no {task} samples; it is empty")

@@ -10,7 +10,6 @@ and logs through the observer as it would through the printer.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shlex
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Iterator
 from distlm.config import TrainConfig
 from distlm.distributed import DistContext
 from distlm.errors import UsageError, rank_from_environment
-from distlm.metrics import Printer, strict_json
+from distlm.metrics import Printer
 from distlm.observe.profiler import ProfileWindow, parse_profile_steps
 from distlm.observe.stragglers import StepTiming
 from distlm.observe.trackers import Trackers, check_tracker_packages
@@ -86,11 +85,9 @@ class Observer:
             return
         self.trackers.log(record, kind)
         if self.log_file is not None:
-            line = (Printer._simple(kind, record) if self.printer.format == "simple"
-                    else json.dumps(strict_json({"kind": kind, **record}), allow_nan=False))
             # Opened per line: the summary comes after close(), and a crash loses no line.
             with self.log_file.open("a") as file:
-                file.write(line + "\n")
+                file.write(self.printer.line(record, kind) + "\n")
             if kind == "summary" and self.printer.format != "simple":  # distlm.report reads JSON lines
                 logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(self.log_file)),
                             shlex.quote(str(self.log_file.parent / "report")))

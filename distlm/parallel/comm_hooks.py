@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from distlm.choices import COMM_HOOKS
+from distlm.choices import COMM_HOOKS, comm_hook_wire_dtype
 from distlm.errors import UsageError
 from distlm.mesh import node_groups, node_groups_of, validate_ranks_per_node
 from distlm.precision import DTYPES, dtype_name
@@ -254,10 +254,11 @@ def build_reducer(
     if kind not in COMM_HOOKS:
         raise UsageError(f"--comm-hook {kind!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
     make_transport = inter_transport_factory or TorchTransport
-    if kind == "allreduce":
-        return allreduce_reducer(make_transport(dp_group))
-    if kind in DTYPES:  # a flat all-reduce in the type the hook is named after
-        return half_precision_reducer(make_transport(dp_group), DTYPES[kind])
+    wire = comm_hook_wire_dtype(kind)
+    half_dtype = None if wire is None else DTYPES[wire]
+    if not kind.startswith("hierarchical"):  # one flat all-reduce, in the half type if the hook has one
+        transport = make_transport(dp_group)
+        return allreduce_reducer(transport) if half_dtype is None else half_precision_reducer(transport, half_dtype)
 
     dp_size = dist.get_world_size(dp_group)
     if dp_size != dist.get_world_size():
@@ -273,4 +274,4 @@ def build_reducer(
         num_nodes = len(set(node_of_rank))
     # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
     inter_transport = make_transport(inter) if num_nodes > 1 else None
-    return hierarchical_reducer(intra, inter_transport, DTYPES.get(kind.removeprefix("hierarchical-")))
+    return hierarchical_reducer(intra, inter_transport, half_dtype)

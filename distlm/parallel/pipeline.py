@@ -49,7 +49,7 @@ from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
 from distlm.parallel.ddp import apply_ddp
 from distlm.parallel.fsdp import fsdp_dtypes
-from distlm.parallel.tp import _pattern_regex, local_value, shard_gradients_like_parameters
+from distlm.parallel.tp import _pattern_regex, clip_grad_norm_, local_value, shard_gradients_like_parameters
 
 logger = logging.getLogger("distlm")
 
@@ -373,12 +373,10 @@ class PipelineRunner:
             grad = param.grad
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
 
-    def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """``params`` without the last stage's copies of tied weights (the first stage's count)."""
-        if self.tied_group is None or not self.holds_last:
-            return params
-        duplicates = {id(p) for p in self.tied}
-        return [p for p in params if id(p) not in duplicates]
+    @property
+    def uncounted(self) -> list[nn.Parameter]:
+        """The last stage's copies of tied weights, which the gradient norm leaves to the first stage's."""
+        return list(self.tied) if self.tied_group is not None and self.holds_last else []
 
 
 @dataclass
@@ -392,24 +390,9 @@ class PipelineHandle(DataParallelHandle):
         return contextlib.nullcontext()  # the schedule drives DDP's and FSDP's reduction itself
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         with self.mixed_placements():
-            groups: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
-                groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-            counted = {id(p) for p in self.runner.counted_once(params)}
-            squares = torch.zeros((), dtype=torch.float32, device=self.runner.device)
-            for group in groups.values():
-                grads = [p.grad for p in group if id(p) in counted]
-                if grads:
-                    squares += local_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=self.foreach_clip)
-                                           ).float() ** 2
-            dist.all_reduce(squares, group=self.runner.group)
-            total = squares.sqrt()
-            if max_norm != float("inf"):
-                for group in groups.values():
-                    torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=self.foreach_clip)
-        return total
+            return clip_grad_norm_(self.model.parameters(), max_norm, self.foreach_clip, group=self.runner.group,
+                                   uncounted=self.runner.uncounted)
 
 
 # ------------------------------------------------------------- parallelising

@@ -71,6 +71,7 @@ import re
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -469,30 +470,38 @@ def local_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool = True) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach: bool | None = True, *,
+                    group: dist.ProcessGroup | None = None,
+                    uncounted: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """Global gradient norm (a plain tensor) over DTensor and plain gradients, clipped to ``max_norm``.
 
     Sharded DTensor gradients count each shard once (torch reduces over the mesh);
     plain and replicated gradients are identical on every TP rank and count once.
+    ``group``: ranks holding the model's other parameters (the pipeline's stages), whose
+    squared norms are added in; ``uncounted``: parameters clipped but left out of the norm,
+    as a copy of a tied weight that another stage counts.
     """
     # torch's clip_grad_norm_ stacks the per-tensor norms, which fails when they live
     # on different meshes (TP DTensors next to plain or FSDP-only parameters); group by
     # mesh, reduce each group to a plain number, then combine.
-    groups: dict[Any, list[torch.Tensor]] = {}
+    meshes: dict[Any, list[torch.Tensor]] = {}
+    device = None
     for p in parameters:
+        device = p.device if device is None else device
         if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    if not groups:
-        return torch.zeros(())
-    squares = sum(
-        local_value(torch.nn.utils.get_total_norm([p.grad for p in group], 2.0, foreach=foreach)).float() ** 2
-        for group in groups.values()
-    )
+            meshes.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    skipped = {id(p) for p in uncounted}
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for members in meshes.values():
+        grads = [p.grad for p in members if id(p) not in skipped]
+        if grads:
+            squares = squares + local_value(torch.nn.utils.get_total_norm(grads, 2.0, foreach=foreach)).float() ** 2
+    if group is not None:
+        dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     if math.isfinite(max_norm):
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+        for members in meshes.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach=foreach)
     return total
 
 

@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from distlm.choices import comm_hook_wire_dtype
 from distlm.precision import DTYPES, MODE_DTYPES
 
 EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
@@ -46,12 +47,6 @@ EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
 def units(dtype_name: str) -> int:
     """Units of the least precise dtype of a layout's arithmetic its results may differ by."""
     return 2048 if dtype_name == "fp32" else 8
-
-
-def hook_dtype(comm_hook: str) -> str | None:
-    """The half type a comm hook sends gradients in (the flat fp16/bf16 hooks and the
-    hierarchical-fp16 one); None for a full-precision hook."""
-    return next((name for name in DTYPES if name != "fp32" and comm_hook.endswith(name)), None)
 
 
 @dataclass
@@ -70,7 +65,7 @@ class Tolerance:
 def tolerance_for(precision: str, comm_hook: str) -> Tolerance:
     """The tolerance of a layout computing in ``precision`` and reducing with ``comm_hook``."""
     dtypes = [MODE_DTYPES[precision].compute]
-    wire = hook_dtype(comm_hook)
+    wire = comm_hook_wire_dtype(comm_hook)
     if wire is not None:
         dtypes.append(wire)
     coarsest = max(dtypes, key=EPSILON.__getitem__)

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, PROFILE_DEVICE_TYPES, STRATEGIES
+from distlm.choices import comm_hook_wire_dtype  # the one home of each hook's wire dtype
 from distlm.errors import UsageError
 from distlm.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
@@ -732,11 +733,10 @@ def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Layout, c
     """One DDP bucket of ``nbytes`` fp32 gradient bytes through ``workload.comm_hook``."""
     group = layout.dp_group()
     hook = workload.comm_hook
-    if hook == "allreduce":
-        return collective_time("all_reduce", nbytes, group, cluster, workload.allreduce_algorithm)
-    if hook in DTYPES:  # named after its wire type
-        return collective_time("all_reduce", nbytes / 2, group, cluster, workload.allreduce_algorithm)
-    factor = 0.5 if hook == "hierarchical-fp16" else 1.0
+    wire = comm_hook_wire_dtype(hook)
+    factor = 1.0 if wire is None else DTYPES[wire].itemsize / 4  # of the fp32 bytes, on the wire
+    if not hook.startswith("hierarchical"):
+        return collective_time("all_reduce", nbytes * factor, group, cluster, workload.allreduce_algorithm)
     return hierarchical_allreduce_time(
         nbytes, layout.nodes, layout.ranks_per_node, cluster, factor, workload.allreduce_algorithm
     )
