@@ -4,6 +4,11 @@ The parent hosts the TCPStore on a port the OS picks (no guessed free port), and
 workers join it as torchrun's workers join the agent's store. Each worker's return
 value comes back through a file. A worker that fails or hangs fails the test, with
 its traceback, after ``timeout`` seconds at most.
+
+Starting the processes and torch costs more than most scenarios on the tiny models, so a
+module runs its scenarios of one world size in one job: ``Scenarios`` runs named
+(function, args) pairs in turn on the same ranks and keeps each one's result or traceback
+apart, for the tests to assert (and fail) one by one.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -81,3 +87,44 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             results.append(value)
     del store
     return results
+
+
+def _run_scenarios(scenarios: list[tuple[str, Callable, tuple]]) -> dict[str, tuple[str, Any]]:
+    """Each (name, fn, args) in turn on this rank: name -> ("ok", result) or ("error", traceback)."""
+    results = {}
+    for name, fn, args in scenarios:
+        try:
+            results[name] = ("ok", fn(*args))
+        except Exception:  # noqa: BLE001 - the scenario's own test reports it
+            results[name] = ("error", traceback.format_exc())
+    return results
+
+
+class Scenarios:
+    """Named scenarios run in turn by one ``world_size``-rank job; ``scenarios[name]`` is that
+    scenario's per-rank results, or fails the calling test with its traceback.
+
+    A scenario that raises on every rank leaves the rest of the job running; one that
+    fails on some ranks only leaves the others waiting in a collective until ``timeout``
+    ends the job, and every scenario's test then fails with that."""
+
+    def __init__(self, world_size: int, scenarios: list[tuple[str, Callable, tuple]], timeout: float = 600.0,
+                 env: dict | None = None):
+        names = [name for name, _, _ in scenarios]
+        assert len(set(names)) == len(names), f"scenario names repeat: {names}"
+        self.world_size = world_size
+        self.failure = None
+        try:
+            self.ranks = run_distributed(_run_scenarios, world_size, scenarios, timeout=timeout, env=env)
+        except AssertionError as failed:
+            self.ranks, self.failure = [], str(failed)
+
+    def __getitem__(self, name: str) -> list[Any]:
+        if self.failure is not None:
+            pytest.fail(f"the {self.world_size}-rank job of the scenarios failed: {self.failure}")
+        for rank, results in enumerate(self.ranks):
+            status, value = results[name]
+            if status == "error":
+                pytest.fail(f"scenario {name} failed on rank {rank}:\n{value}")
+        assert len(self.ranks) == self.world_size
+        return [results[name][1] for results in self.ranks]
