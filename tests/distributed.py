@@ -4,6 +4,20 @@ The parent hosts the TCPStore on a port the OS picks (no guessed free port), and
 workers join it as torchrun's workers join the agent's store. Each worker's return
 value comes back through a file. A worker that fails or hangs fails the test, with
 its traceback, after ``timeout`` seconds at most.
+
+Starting the processes and torch costs more than most scenarios on the tiny models, so a
+module runs its scenarios of one world size in one job: ``Scenarios`` runs named
+(function, args) pairs in turn on the same ranks and keeps each one's result or traceback
+apart, for the tests to assert (and fail) one by one.
+
+The workers are forked from multiprocessing's fork server, one fresh interpreter per test
+session that has imported torch, numpy, pytest and distlm's trainer once (about 4-5 s of
+CPU that each spawned worker used to spend on those imports), and has run nothing else:
+no thread pool, process group or test state exists there to be inherited. What spawn
+gave a worker and a fork would not is passed explicitly: the parent's environment as it
+is now (the server's is the one it was started with) is the worker's, and its working
+directory and sys.path come with multiprocessing's preparation data as under spawn. The
+server keeps the stdout and stderr it started with (under pytest, the session's capture).
 """
 
 from __future__ import annotations
@@ -16,13 +30,22 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import forkserver
 
 from distlm.errors import exit_without_teardown
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+# Imported once by the fork server, for every worker forked from it.
+PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "distlm.trainer"]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict,
+            parent_env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -54,12 +77,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """``fn(*args)`` on ``world_size`` processes; returns the per-rank results in rank order."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as out_dir:
+        forkserver.set_forkserver_preload(PRELOAD)  # read once, when the server starts
         context = mp.start_processes(
             _worker,
-            args=(world_size, store.port, out_dir, fn, args, env or {}),
+            args=(world_size, store.port, out_dir, fn, args, env or {}, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         try:
@@ -81,3 +105,44 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             results.append(value)
     del store
     return results
+
+
+def _run_scenarios(scenarios: list[tuple[str, Callable, tuple]]) -> dict[str, tuple[str, Any]]:
+    """Each (name, fn, args) in turn on this rank: name -> ("ok", result) or ("error", traceback)."""
+    results = {}
+    for name, fn, args in scenarios:
+        try:
+            results[name] = ("ok", fn(*args))
+        except Exception:  # noqa: BLE001 - the scenario's own test reports it
+            results[name] = ("error", traceback.format_exc())
+    return results
+
+
+class Scenarios:
+    """Named scenarios run in turn by one ``world_size``-rank job; ``scenarios[name]`` is that
+    scenario's per-rank results, or fails the calling test with its traceback.
+
+    A scenario that raises on every rank leaves the rest of the job running; one that
+    fails on some ranks only leaves the others waiting in a collective until ``timeout``
+    ends the job, and every scenario's test then fails with that."""
+
+    def __init__(self, world_size: int, scenarios: list[tuple[str, Callable, tuple]], timeout: float = 600.0,
+                 env: dict | None = None):
+        names = [name for name, _, _ in scenarios]
+        assert len(set(names)) == len(names), f"scenario names repeat: {names}"
+        self.world_size = world_size
+        self.failure = None
+        try:
+            self.ranks = run_distributed(_run_scenarios, world_size, scenarios, timeout=timeout, env=env)
+        except AssertionError as failed:
+            self.ranks, self.failure = [], str(failed)
+
+    def __getitem__(self, name: str) -> list[Any]:
+        if self.failure is not None:
+            pytest.fail(f"the {self.world_size}-rank job of the scenarios failed: {self.failure}")
+        for rank, results in enumerate(self.ranks):
+            status, value = results[name]
+            if status == "error":
+                pytest.fail(f"scenario {name} failed on rank {rank}:\n{value}")
+        assert len(self.ranks) == self.world_size
+        return [results[name][1] for results in self.ranks]

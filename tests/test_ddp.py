@@ -1,7 +1,8 @@
 """DDP through the Trainer equals single-process training.
 
-Each test computes its single-process reference in this process and compares it with
-real 2-rank gloo runs of the same global batch.
+Each test compares a single-process reference computed in this process with real 2-rank
+gloo runs of the same global batch; the module's 2-rank runs share one job (starting the
+processes and torch costs more than their 5 updates).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import Scenarios
 from distlm.config import parse_args
 from distlm.parallel.full_state import consolidated_parameters
 from distlm.trainer import Trainer
@@ -56,11 +57,31 @@ def assert_params_close(actual: dict, expected: dict, atol: float) -> None:
 PARAM_ATOL = 5e-6
 
 
-@pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
-def test_ddp_two_ranks_equal_single_process(data_dir, tmp_path, arch):
-    args = common_args(data_dir, str(tmp_path), arch)
-    reference = train(args + ["--batch-size", "8"])
-    ranks = run_distributed(train, 2, args + ["--batch-size", "4"])
+ARCHS = ("roberta_tiny", "llama_tiny")
+
+
+@pytest.fixture(scope="module")
+def references(data_dir, tmp_path_factory) -> dict:
+    """One process, the global batch of 8, per architecture (--no-save: the save dir is unused)."""
+    root = str(tmp_path_factory.mktemp("reference"))
+    return {arch: train(common_args(data_dir, root, arch) + ["--batch-size", "8"]) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(data_dir, tmp_path_factory) -> Scenarios:
+    """The module's 2-rank runs in one job: the global batch of 8 as 2 x 4, and as
+    2 ranks x update-freq 2 x 2."""
+    root = str(tmp_path_factory.mktemp("ddp"))
+    return Scenarios(2, [
+        *[(f"ddp-{arch}", train, (common_args(data_dir, root, arch) + ["--batch-size", "4"],)) for arch in ARCHS],
+        ("ddp-update-freq", train, (common_args(data_dir, root) + ["--batch-size", "2", "--update-freq", "2"],)),
+    ], timeout=300)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ddp_two_ranks_equal_single_process(arch, references, two_ranks):
+    reference = references[arch]
+    ranks = two_ranks[f"ddp-{arch}"]
     for result in ranks:
         assert_params_close(result["params"], reference["params"], PARAM_ATOL)
         # Adam hides a constant gradient factor; the global norm does not.
@@ -70,18 +91,16 @@ def test_ddp_two_ranks_equal_single_process(data_dir, tmp_path, arch):
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
-def test_update_freq_two_equals_double_batch(data_dir, tmp_path):
-    args = common_args(data_dir, str(tmp_path))
-    reference = train(args + ["--batch-size", "8"])
-    accumulated = train(args + ["--batch-size", "4", "--update-freq", "2"])
+def test_update_freq_two_equals_double_batch(data_dir, tmp_path, references):
+    reference = references["roberta_tiny"]
+    accumulated = train(common_args(data_dir, str(tmp_path)) + ["--batch-size", "4", "--update-freq", "2"])
     assert_params_close(accumulated["params"], reference["params"], PARAM_ATOL)
     np.testing.assert_allclose(accumulated["gnorms"], reference["gnorms"], rtol=1e-5)
 
 
-def test_ddp_with_update_freq_equals_single_process(data_dir, tmp_path):
+def test_ddp_with_update_freq_equals_single_process(references, two_ranks):
     """2 ranks x update-freq 2 x batch 2 is the same global batch of 8 as one process."""
-    args = common_args(data_dir, str(tmp_path))
-    reference = train(args + ["--batch-size", "8"])
-    ranks = run_distributed(train, 2, args + ["--batch-size", "2", "--update-freq", "2"])
+    reference = references["roberta_tiny"]
+    ranks = two_ranks["ddp-update-freq"]
     assert_params_close(ranks[0]["params"], reference["params"], PARAM_ATOL)
     np.testing.assert_allclose(ranks[0]["gnorms"], reference["gnorms"], rtol=1e-5)

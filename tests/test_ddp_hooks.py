@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import Scenarios
 from test_ddp import PARAM_ATOL, assert_params_close, common_args, train
 
 GLOBAL_BATCH = 8
@@ -34,19 +34,51 @@ def relative_update_difference(actual: dict, reference: dict, initial: dict) -> 
     return difference / update
 
 
-@pytest.mark.parametrize(
-    "hook, world_size",
-    [("fp16", 2), ("bf16", 2), ("hierarchical", 4), ("hierarchical-fp16", 4)],
-)
-def test_hook_trains_like_one_process(data_dir, tmp_path, hook, world_size):
-    args = common_args(data_dir, str(tmp_path))
-    reference = train(args + ["--batch-size", str(GLOBAL_BATCH)])
-    hooked = args + [
+HOOKS = {"fp16": 2, "bf16": 2, "hierarchical": 4, "hierarchical-fp16": 4}
+DOUBLE_BUFFERED = {
+    "allreduce": ["--comm-hook", "allreduce"],
+    "fp16-hook": ["--comm-hook", "fp16"],
+    # fp16 training: stale gradients must be unscaled with the loss scale they were made with.
+    "fp16-loss-scaling": ["--fp16", "--allow-slow-fp16", "--fp16-scale-window", "2"],
+}
+
+
+def hooked_args(data_dir: str, save_dir: str, hook: str) -> list[str]:
+    world_size = HOOKS[hook]
+    return common_args(data_dir, save_dir) + [
         "--batch-size", str(GLOBAL_BATCH // world_size), "--comm-hook", hook, "--check-replicas",
         # 4 processes on one machine as 2 simulated nodes of 2 ranks.
         "--ranks-per-node", "2",
     ]
-    ranks = run_distributed(train, world_size, hooked, timeout=240)
+
+
+def double_buffered_args(data_dir: str, save_dir: str) -> list[str]:
+    return common_args(data_dir, save_dir) + ["--batch-size", "4", "--double-buffering", "--check-replicas"]
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory) -> dict:
+    """One process, the global batch (--no-save: the save dir is unused)."""
+    return train(common_args(data_dir, str(tmp_path_factory.mktemp("reference"))) + ["--batch-size", str(GLOBAL_BATCH)])
+
+
+@pytest.fixture(scope="module")
+def jobs(data_dir, tmp_path_factory) -> dict[int, Scenarios]:
+    """The module's runs, one job per world size (starting the processes and torch costs
+    more than their 5 updates): the hooks, and on 2 ranks double buffering, with an fp32
+    double-buffered run for the loss-scaling case to compare with."""
+    root = str(tmp_path_factory.mktemp("hooks"))
+    two = [(f"hook-{hook}", train, (hooked_args(data_dir, root, hook),)) for hook in HOOKS if HOOKS[hook] == 2]
+    two += [(f"double-buffered-{case}", train_double_buffered, (double_buffered_args(data_dir, root) + extra,))
+            for case, extra in DOUBLE_BUFFERED.items()]
+    two.append(("double-buffered-fp32", train_double_buffered, (double_buffered_args(data_dir, root),)))
+    four = [(f"hook-{hook}", train, (hooked_args(data_dir, root, hook),)) for hook in HOOKS if HOOKS[hook] == 4]
+    return {2: Scenarios(2, two, timeout=400), 4: Scenarios(4, four, timeout=400)}
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=lambda hook: f"{hook}-{HOOKS[hook]}")
+def test_hook_trains_like_one_process(hook, reference, jobs):
+    ranks = jobs[HOOKS[hook]][f"hook-{hook}"]
     half = "bf16" if "bf16" in hook else "fp16" if "fp16" in hook else None
     for result in ranks:
         if half:
@@ -78,21 +110,14 @@ def train_double_buffered(args: list[str]) -> dict:
             "consumed": trainer.consumed_samples}
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [["--comm-hook", "allreduce"], ["--comm-hook", "fp16"],
-     # fp16 training: stale gradients must be unscaled with the loss scale they were made with.
-     ["--fp16", "--allow-slow-fp16", "--fp16-scale-window", "2"]],
-    ids=["allreduce", "fp16-hook", "fp16-loss-scaling"],
-)
-def test_double_buffering_skips_the_first_update_and_keeps_replicas_identical(data_dir, tmp_path, extra):
-    args = common_args(data_dir, str(tmp_path)) + ["--batch-size", "4", "--double-buffering", "--check-replicas"]
-    ranks = run_distributed(train_double_buffered, 2, args + extra)
-    if "--fp16" in extra:
+@pytest.mark.parametrize("case", DOUBLE_BUFFERED)
+def test_double_buffering_skips_the_first_update_and_keeps_replicas_identical(case, jobs):
+    ranks = jobs[2][f"double-buffered-{case}"]
+    if "--fp16" in DOUBLE_BUFFERED[case]:
         # The loss scale doubles every 2 updates; unscaling a stale gradient with the
         # current scale would halve its norm there. fp16 autocast itself moves the
         # norms by ~1e-3 relative, so 5e-2 separates the two cases.
-        fp32 = run_distributed(train_double_buffered, 2, args)
+        fp32 = jobs[2]["double-buffered-fp32"]
         np.testing.assert_allclose(ranks[0]["gnorms"][1:], fp32[0]["gnorms"][1:], rtol=5e-2)
     for result in ranks:
         # The first update's gradients are still in flight: no parameter moves, no update counted.

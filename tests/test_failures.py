@@ -29,23 +29,30 @@ TIMEOUT_SEC = 3
 DIED = 9  # the exit status of a rank made to die
 
 
-def one_rank_stalls(args: list[str]) -> str:
+def one_rank_stalls(args: list[str], rank_0_gave_up: str) -> str:
     """Rank 1 stalls past the timeout instead of joining update 1; rank 0 must give up, not hang."""
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()
     if trainer.ctx.rank == 1:
-        # Long after rank 0's timeout: rank 0 must fail on the timeout, not on this rank leaving.
-        time.sleep(5 * TIMEOUT_SEC)
-        return "stalled"
-    with pytest.raises(CollectiveFailure) as failure:
-        with trainer.ctx.naming_failed_collectives(1):
-            trainer.train_step(next(batches))
+        # Until rank 0 has failed (60 s at most): rank 0 must fail on the timeout, not on this
+        # rank leaving, and waiting for its word instead of a fixed sleep ends the test at once.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(rank_0_gave_up) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return "stalled" if os.path.exists(rank_0_gave_up) else "rank 0 did not give up within 60 s"
+    try:
+        with pytest.raises(CollectiveFailure) as failure:
+            with trainer.ctx.naming_failed_collectives(1):
+                trainer.train_step(next(batches))
+    finally:
+        Path(rank_0_gave_up).touch()
     return str(failure.value)
 
 
 def test_a_late_rank_is_named(data_dir, tmp_path):
     args = common_args(data_dir, str(tmp_path)) + ["--batch-size", "2", "--timeout-sec", str(TIMEOUT_SEC)]
-    message = run_distributed(one_rank_stalls, 2, args, timeout=90)[0]
+    message, stalled = run_distributed(one_rank_stalls, 2, args, str(tmp_path / "rank_0_gave_up"), timeout=90)
+    assert stalled == "stalled"
     assert "rank 0: a collective of update 1 did not complete (--timeout-sec 3)" in message, message
     # Rank 1 is alive (its heartbeat runs) but never started update 1.
     assert "ranks [1] have not started update 1 (rank 1 last completed update 0)" in message, message

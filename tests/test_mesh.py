@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from distributed import run_distributed
+from distributed import Scenarios
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 
@@ -62,7 +62,8 @@ def groups_on_real_ranks(tp: int) -> dict:
 
     env = ClusterEnv.detect()
     dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp)
-    CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))
+    if not dist.is_initialized():  # the job's first scenario; the next ones build their meshes on it
+        CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))
     mesh = dims.build_mesh("cpu")
     tp_group = dims.tp_group("cpu")
     return {
@@ -73,17 +74,25 @@ def groups_on_real_ranks(tp: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    "world, tp, expected",
-    [
-        (2, 1, [([0, 1], None), ([0, 1], None)]),
-        (2, 2, [([0], [0, 1]), ([1], [0, 1])]),
-        (4, 2, [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]),
-    ],
-    ids=["2-ranks-dp2", "2-ranks-tp2", "4-ranks-dp2-tp2"],
-)
-def test_meshes_on_real_gloo_ranks(world, tp, expected):
-    groups = run_distributed(groups_on_real_ranks, world, tp)
+REAL_MESHES = {
+    "2-ranks-dp2": (2, 1, [([0, 1], None), ([0, 1], None)]),
+    "2-ranks-tp2": (2, 2, [([0], [0, 1]), ([1], [0, 1])]),
+    "4-ranks-dp2-tp2": (4, 2, [([0, 2], [0, 1]), ([1, 3], [0, 1]), ([0, 2], [2, 3]), ([1, 3], [2, 3])]),
+}
+
+
+@pytest.fixture(scope="module")
+def real_meshes() -> dict[int, Scenarios]:
+    """The meshes built on real gloo ranks, one job per world size."""
+    return {world: Scenarios(world, [(case, groups_on_real_ranks, (tp,)) for case, (w, tp, _) in REAL_MESHES.items()
+                                     if w == world], timeout=120)
+            for world in sorted({w for w, _, _ in REAL_MESHES.values()})}
+
+
+@pytest.mark.parametrize("case", REAL_MESHES)
+def test_meshes_on_real_gloo_ranks(case, real_meshes):
+    world, _, expected = REAL_MESHES[case]
+    groups = real_meshes[world][case]
     assert [(g["dp"], g["tp"]) for g in groups] == expected
     assert all(g["coordinates"] for g in groups)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from distributed import run_distributed
@@ -56,16 +57,6 @@ def test_resume_is_exact_single_process(data_dir, tmp_path):
     assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
 
 
-def test_resume_is_exact_with_ddp_and_accumulation(data_dir, tmp_path):
-    extra = ["--update-freq", "2", "--save-interval-updates", "5"]
-    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "straight", 10, extra)) == [None, None]
-    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 5, extra)) == [None, None]
-    assert run_distributed(fit, 2, args_for(data_dir, tmp_path / "stopped", 10, extra)) == [5, 5]
-    assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
-    # The numbered checkpoint of update 5 is the one the resume started from.
-    assert checkpoint.load(tmp_path / "straight" / checkpoint.numbered(5))["num_updates"] == 5
-
-
 def fit_counting_whole_models(runs: list[list[str]]) -> list[dict]:
     """``fit`` each run; also count, per run on this rank, the whole models initialised
     from the seed and the materialisations and broadcasts of rank 0's weights."""
@@ -93,16 +84,42 @@ def fit_counting_whole_models(runs: list[list[str]]) -> list[dict]:
     return results
 
 
-def test_fsdp_resume_builds_no_whole_model_and_is_exact(data_dir, tmp_path):
+DDP_EXTRA = ["--update-freq", "2", "--save-interval-updates", "5"]
+FSDP_EXTRA = ["--strategy", "fsdp", "--disable-validation"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """One 2-rank job for the module (starting 2 processes and torch costs more than these
+    runs): straight, stopped and resumed, under DDP with accumulation, then under FSDP."""
+    root = tmp_path_factory.mktemp("resume")
+    runs = {
+        "ddp": [args_for(data_dir, root / "ddp" / "straight", 10, DDP_EXTRA),
+                args_for(data_dir, root / "ddp" / "stopped", 5, DDP_EXTRA),
+                args_for(data_dir, root / "ddp" / "stopped", 10, DDP_EXTRA)],
+        "fsdp": [args_for(data_dir, root / "fsdp" / "straight", 4, FSDP_EXTRA),
+                 args_for(data_dir, root / "fsdp" / "stopped", 2, FSDP_EXTRA),
+                 args_for(data_dir, root / "fsdp" / "stopped", 4, FSDP_EXTRA)],
+    }
+    ranks = run_distributed(fit_counting_whole_models, 2, runs["ddp"] + runs["fsdp"], timeout=300)
+    return root, {"ddp": [rank[:3] for rank in ranks], "fsdp": [rank[3:] for rank in ranks]}
+
+
+def test_resume_is_exact_with_ddp_and_accumulation(two_rank_runs):
+    root, ranks = two_rank_runs
+    assert [[run["resumed_at"] for run in rank] for rank in ranks["ddp"]] == [[None, None, 5]] * 2
+    assert_identical(final_state(root / "ddp" / "stopped"), final_state(root / "ddp" / "straight"))
+    # The numbered checkpoint of update 5 is the one the resume started from.
+    assert checkpoint.load(root / "ddp" / "straight" / checkpoint.numbered(5))["num_updates"] == 5
+
+
+def test_fsdp_resume_builds_no_whole_model_and_is_exact(two_rank_runs):
     """Under fsdp on 2 ranks a fresh run initialises the whole model on rank 0 only and
     hands each rank its shards; a resumed one allocates only its own shards for the
     checkpoint to fill (no rank builds or receives a whole model), and still continues
     bit for bit."""
-    fsdp = ["--strategy", "fsdp", "--disable-validation"]
-    runs = [args_for(data_dir, tmp_path / "straight", 4, fsdp), args_for(data_dir, tmp_path / "stopped", 2, fsdp),
-            args_for(data_dir, tmp_path / "stopped", 4, fsdp)]
-    ranks = run_distributed(fit_counting_whole_models, 2, runs)
+    root, ranks = two_rank_runs
     fresh = {"resumed_at": None, "materialise": 1}
-    assert [rank[:2] for rank in ranks] == [[{**fresh, "_initialised": 1}] * 2, [fresh] * 2]
-    assert [rank[2] for rank in ranks] == [{"resumed_at": 2}] * 2
-    assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
+    assert [rank[:2] for rank in ranks["fsdp"]] == [[{**fresh, "_initialised": 1}] * 2, [fresh] * 2]
+    assert [rank[2] for rank in ranks["fsdp"]] == [{"resumed_at": 2}] * 2
+    assert_identical(final_state(root / "fsdp" / "stopped"), final_state(root / "fsdp" / "straight"))

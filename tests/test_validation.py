@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import Scenarios
 from distlm import validation
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
@@ -34,18 +34,38 @@ def validation_losses(runs: list[list[str]]) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch", ["roberta_tiny", "llama_tiny"])
-def test_validation_loss_is_the_whole_split_under_every_layout(data_dir, tmp_path, arch):
+ARCHS = ("roberta_tiny", "llama_tiny")
+
+
+def validation_layouts(data_dir: str, save_dir: str, arch: str) -> tuple[list[str], list[str]]:
+    """(the common arguments, the uneven split's)."""
+    args = common_args(data_dir, save_dir, arch) + ["--batch-size", "3"]
+    return args, args + ["--tokens-per-sample", "24", "--batch-size-valid", "2"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_losses(data_dir, tmp_path_factory) -> Scenarios:
+    """Both architectures' layouts in one 2-rank job (starting the processes and torch
+    costs more than the validations): ddp, fsdp, ddp x tp2, and the uneven split."""
+    root = str(tmp_path_factory.mktemp("validation"))
+    scenarios = []
+    for arch in ARCHS:
+        args, uneven = validation_layouts(data_dir, root, arch)
+        scenarios.append((arch, validation_losses, ([args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"],
+                                                     uneven],)))
+    return Scenarios(2, scenarios, timeout=300)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_validation_loss_is_the_whole_split_under_every_layout(data_dir, tmp_path, arch, two_rank_losses):
     """ddp, fsdp and ddp x tp2 on 2 ranks against one process: the summed loss over every
     target token of the split, so equal up to fp32 reassociation of the sums. The split
     of the last layout (17 samples at 24 tokens, batches of 2) leaves rank 1 a batch short:
     it evaluates a batch whose targets are all ignored, which must count no tokens."""
-    args = common_args(data_dir, str(tmp_path), arch) + ["--batch-size", "3"]
-    uneven = args + ["--tokens-per-sample", "24", "--batch-size-valid", "2"]
-    singles = validation_losses([args, uneven])
-    layouts = [args, args + ["--strategy", "fsdp"], args + ["--tp-degree", "2"], uneven]
-    ranks = run_distributed(validation_losses, 2, layouts)
+    singles = validation_losses(list(validation_layouts(data_dir, str(tmp_path), arch)))
+    ranks = two_rank_losses[arch]
     for rank in ranks:
+        assert len(rank) == 4
         for loss, single in zip(rank, [singles[0]] * 3 + [singles[1]]):
             assert loss == pytest.approx(single, rel=1e-5)
     assert ranks[0] == ranks[1]  # every rank reports the same reduced value
