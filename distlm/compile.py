@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Mapping
 
 from torch import nn
-from torch._dynamo.utils import counters
 
 from distlm.errors import UsageError
 from distlm.models.contract import model_blocks
@@ -64,6 +63,11 @@ class CompileReport:
     """
 
     def __init__(self, backend: str) -> None:
+        # Imported here: torch._dynamo costs every process about a second of start-up, and
+        # only a compiled run reads its counters.
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
         self.backend = backend
         self.started = time.perf_counter()
         self.before = dict(counters["inductor"])
@@ -72,12 +76,12 @@ class CompileReport:
     def log(self) -> str:
         seconds = time.perf_counter() - self.started
         if self.backend == "inductor":
-            now = counters["inductor"]
+            now = self._counters["inductor"]
             hits = now.get("fxgraph_cache_hit", 0) - self.before.get("fxgraph_cache_hit", 0)
             misses = now.get("fxgraph_cache_miss", 0) - self.before.get("fxgraph_cache_miss", 0)
             outcome = f"{misses} graphs compiled, {hits} taken from the compile cache"
         else:
-            graphs = counters["stats"]["unique_graphs"] - self.graphs_before
+            graphs = self._counters["stats"]["unique_graphs"] - self.graphs_before
             outcome = (f"{graphs} graphs captured for the {self.backend} backend, whose own cache "
                        "reports its hits in the compiler's log")
         line = f"first update with compilation took {seconds:.1f} s: {outcome}"

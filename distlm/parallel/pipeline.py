@@ -26,15 +26,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining.schedules import _ComputationType
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -54,12 +45,15 @@ from distlm.parallel.tp import _pattern_regex, clip_grad_norm_, local_value, sha
 logger = logging.getLogger("distlm")
 
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
+"""Each --pp-schedule's class in torch.distributed.pipelining, by name. That package imports
+torch._dynamo, half a second of every process's start-up, so it is imported only when a
+pipeline is built (``PipelineRunner``)."""
 PARTS = ("embed", "block_args", "head", "embed_modules", "head_modules")
 """What a model declares so that its forward can be cut into stages (models/contract.py)."""
 
@@ -291,6 +285,9 @@ class PipelineRunner:
         self.padding_idx = model.padding_idx
         self._factor: torch.Tensor | float = 1.0
         self._losses: list[torch.Tensor] = []
+        import torch.distributed.pipelining as pipelining  # see SCHEDULES
+
+        self._pipelining = pipelining
         self.train_schedule = self._schedule(chunks, stage_ids, options.schedule, self._scaled_loss)
         # Validation batches have their own shape: stages of their own, forward only.
         eval_name = "gpipe" if options.schedule not in PP_LOOPED_SCHEDULES else options.schedule
@@ -298,16 +295,16 @@ class PipelineRunner:
         if eval_name == "zbv":
             # torch 2.13's zbv still hands gradients between a rank's two stages when run
             # forward only (eval() fails); its own order without the backward actions does not.
-            forward = {_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
-                       _ComputationType.UNSHARD, _ComputationType.RESHARD}
+            action = pipelining.schedules._ComputationType
+            forward = {action.FORWARD, action.SEND_F, action.RECV_F, action.UNSHARD, action.RESHARD}
             orders = self.eval_schedule.pipeline_order_with_comms
             for rank, actions in orders.items():
                 orders[rank] = [action for action in actions if action.computation_type in forward]
 
     def _schedule(self, chunks, stage_ids, name: str, loss_fn: Callable):
-        stages = [PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
+        stages = [self._pipelining.PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
                   for chunk, index in zip(chunks, stage_ids)]
-        cls = SCHEDULES[name]
+        cls = getattr(self._pipelining, SCHEDULES[name])
         if name in PP_LOOPED_SCHEDULES:
             return cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
