@@ -27,6 +27,7 @@ from distlm.data.dictionary import MASK_SYMBOL
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models import ARCHS
+from distlm.models.contract import allocate_meta_buffers
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.registry import FAMILIES, POSITIONS_FROM_SAMPLES
 from distlm.parallel.names import single_device_name
@@ -276,9 +277,7 @@ def _initialised_keeping(model: nn.Module, keep: Collection[str], seed: int) -> 
                         else scratch[p.dtype][:p.numel()].view(p.shape))
                 materialised[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
             module._parameters[key] = materialised[id(p)]
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[key] = torch.empty_like(buffer, device=cpu)
+    allocate_meta_buffers(model, cpu)
     torch.manual_seed(seed)
     model.init_weights()
     return model

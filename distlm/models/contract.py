@@ -68,6 +68,15 @@ class TransformerLM(nn.Module):
             self.init_weights()
 
 
+def allocate_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give every buffer still on the meta device uninitialised storage on ``device``, where
+    the parameters were allocated another way than ``to_empty`` of the whole model."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
 def check_model(model: object) -> None:
     """UsageError naming every member of the contract that ``model`` lacks or gets wrong."""
     name = type(model).__name__

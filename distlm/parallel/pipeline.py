@@ -35,7 +35,7 @@ from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.loss import summed_token_loss
 from distlm.mesh import ParallelDims
-from distlm.models.contract import model_blocks
+from distlm.models.contract import allocate_meta_buffers, model_blocks
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
 from distlm.parallel.ddp import apply_ddp
@@ -487,10 +487,7 @@ def _materialise_stage(model: nn.Module, chunks: list[nn.Module], device: torch.
     ``fill_shards``. Through each chunk, so FSDP's bookkeeping follows the new storage."""
     for chunk in chunks:
         chunk.to_empty(device=device)
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+    allocate_meta_buffers(model, device)
     if fill_shards is not None:
         fill_shards(model)
         return
