@@ -43,11 +43,11 @@ class TrainStats:
         of ``devices`` devices; the tokens are the global input tokens of the run."""
         self.device = torch.device(device)
         self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
-        self.whole_run = [0.0, 0, 0.0]
-        """Global input tokens, updates and seconds of every logged interval of this process."""
+        self.first: tuple[float, int, float] | None = None
+        """Global input tokens, updates and seconds of the first logged interval of this
+        process, whose updates compile and warm up."""
         self.steady = [0.0, 0, 0.0]
-        """The same after the first logged interval, whose updates compile and warm up."""
-        self.intervals = 0
+        """The same summed over the logged intervals after the first."""
         self._start_interval()
 
     def _start_interval(self) -> None:
@@ -70,10 +70,10 @@ class TrainStats:
         elapsed = time.perf_counter() - self.started
         values = dict(zip(self.FIELDS, sums.tolist()))
         interval = (values["input_tokens"], self.updates, elapsed)
-        if self.intervals:
+        if self.first is None:
+            self.first = interval
+        else:
             self.steady = [total + part for total, part in zip(self.steady, interval)]
-        self.whole_run = [total + part for total, part in zip(self.whole_run, interval)]
-        self.intervals += 1
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
         rates = self._rates(*interval)
         return {
@@ -104,10 +104,10 @@ class TrainStats:
         window ``rates_over`` names: ``after_first_interval`` (steady state: the first logged
         interval compiles and warms up), or ``whole_run`` where only one interval was logged;
         {} before any."""
-        if self.intervals > 1:
+        if self.steady[1]:
             return {**self._rates(*self.steady), "rates_over": "after_first_interval"}
-        if self.intervals == 1:
-            return {**self._rates(*self.whole_run), "rates_over": "whole_run"}
+        if self.first is not None:
+            return {**self._rates(*self.first), "rates_over": "whole_run"}
         return {}
 
     def reset(self) -> None:
