@@ -72,6 +72,12 @@ PP_LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 PP_ZERO_BUBBLE_SCHEDULES = ("zero-bubble", "zbv")
 """The schedules that split backward into its input and weight parts."""
 
+
+def pp_microbatches(asked: int | None, degree: int) -> int:
+    """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
+    return asked or 2 * degree
+
+
 LOG_FORMATS = ("json", "simple", "tqdm")
 
 BEST_CHECKPOINT_METRICS = ("loss", "ppl")

@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
+from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS, pp_microbatches
 from distlm.errors import UsageError
 from distlm.models.flops import model_flops_utilization, model_shape
 from distlm.plan.calibrate import calibrate, read_measurements
@@ -137,8 +137,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "tp_degree": spec["tp_degree"],
             "pp_degree": pp_degree,
             "pp_schedule": spec.get("pp_schedule", "1f1b") if pipelined else None,
-            # distlm.train's default: twice the pp degree.
-            "pp_microbatches": (spec.get("pp_microbatches") or 2 * pp_degree) if pipelined else None,
+            "pp_microbatches": pp_microbatches(spec.get("pp_microbatches"), pp_degree) if pipelined else None,
             "pp_stages_per_rank": spec.get("pp_stages_per_rank", 1) if pipelined else None,
             "precision": spec["precision"],
             "comm_hook": comm_hook,

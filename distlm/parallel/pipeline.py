@@ -30,7 +30,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES
+from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, pp_microbatches
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.loss import summed_token_loss
@@ -53,7 +53,7 @@ SCHEDULES = {
 }
 """Each --pp-schedule's class in torch.distributed.pipelining, by name. That package imports
 torch._dynamo, half a second of every process's start-up, so it is imported only when a
-pipeline is built (``PipelineRunner``)."""
+pipeline is built (``PipelineRunner._schedule``)."""
 PARTS = ("embed", "block_args", "head", "embed_modules", "head_modules")
 """What a model declares so that its forward can be cut into stages (models/contract.py)."""
 
@@ -74,7 +74,7 @@ def options_from_config(settings: Any) -> PipelineOptions:
 
 
 def microbatch_count(options: PipelineOptions, degree: int) -> int:
-    return options.microbatches or 2 * degree
+    return pp_microbatches(options.microbatches, degree)
 
 
 # --------------------------------------------------------------------- checks
@@ -285,9 +285,6 @@ class PipelineRunner:
         self.padding_idx = model.padding_idx
         self._factor: torch.Tensor | float = 1.0
         self._losses: list[torch.Tensor] = []
-        import torch.distributed.pipelining as pipelining  # see SCHEDULES
-
-        self._pipelining = pipelining
         self.train_schedule = self._schedule(chunks, stage_ids, options.schedule, self._scaled_loss)
         # Validation batches have their own shape: stages of their own, forward only.
         eval_name = "gpipe" if options.schedule not in PP_LOOPED_SCHEDULES else options.schedule
@@ -295,16 +292,19 @@ class PipelineRunner:
         if eval_name == "zbv":
             # torch 2.13's zbv still hands gradients between a rank's two stages when run
             # forward only (eval() fails); its own order without the backward actions does not.
-            action = pipelining.schedules._ComputationType
-            forward = {action.FORWARD, action.SEND_F, action.RECV_F, action.UNSHARD, action.RESHARD}
+            from torch.distributed.pipelining.schedules import _ComputationType as kind  # see SCHEDULES
+
+            forward = {kind.FORWARD, kind.SEND_F, kind.RECV_F, kind.UNSHARD, kind.RESHARD}
             orders = self.eval_schedule.pipeline_order_with_comms
             for rank, actions in orders.items():
                 orders[rank] = [action for action in actions if action.computation_type in forward]
 
     def _schedule(self, chunks, stage_ids, name: str, loss_fn: Callable):
-        stages = [self._pipelining.PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
+        import torch.distributed.pipelining as pipelining  # see SCHEDULES
+
+        stages = [pipelining.PipelineStage(chunk, index, self.stage_count, self.device, group=self.group)
                   for chunk, index in zip(chunks, stage_ids)]
-        cls = getattr(self._pipelining, SCHEDULES[name])
+        cls = getattr(pipelining, SCHEDULES[name])
         if name in PP_LOOPED_SCHEDULES:
             return cls(stages, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
         return cls(stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)

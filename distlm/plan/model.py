@@ -54,8 +54,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, PROFILE_DEVICE_TYPES, STRATEGIES
-from distlm.choices import comm_hook_wire_dtype  # the one home of each hook's wire dtype
+from distlm.choices import (COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, PROFILE_DEVICE_TYPES,
+                            STRATEGIES, comm_hook_wire_dtype, pp_microbatches)
 from distlm.errors import UsageError
 from distlm.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
@@ -888,7 +888,7 @@ def fsdp_micro_batch(
 
 def pipeline_microbatches(workload: Workload, layout: Layout) -> int:
     """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
-    return workload.pp_microbatches or 2 * layout.pp
+    return pp_microbatches(workload.pp_microbatches, layout.pp)
 
 
 def stages_per_rank(workload: Workload) -> int:
