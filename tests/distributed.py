@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import forkserver
@@ -60,6 +61,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         OMP_NUM_THREADS="1",
         **env,
     )
+    # torch read the thread count when the fork server imported it, from the server's
+    # environment: set it from this worker's, as a spawned worker would have read it.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     result_file = Path(out_dir) / f"rank{rank}.pkl"
     try:
         result = ("ok", fn(*args))
@@ -89,11 +93,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         try:
             while not context.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    for process in context.processes:
-                        process.kill()
                     raise AssertionError(f"{world_size} workers did not finish within {timeout:.0f} s (hang?)")
         except mp.ProcessExitedException as exc:
             raise AssertionError(f"a worker died: {exc}") from None
+        finally:
+            # Also when pytest's own timeout interrupts the wait: no worker outlives its test.
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
         results = []
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.pkl"
