@@ -8,7 +8,6 @@ transformers' files -> distlm's Trainer -> a checkpoint -> transformers' own mod
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import transformers
 from torch.distributed.tensor import DTensor
 
-from distributed import run_distributed
+from distributed import Scenarios
 from distlm import checkpoint
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
@@ -89,21 +88,10 @@ def count_safetensors_reads(monkeypatch=None) -> list[int]:
     return counts
 
 
-def _four_rank_job(init_runs: list[tuple[str, list[str]]], train_runs: list[tuple[list[str], int]]) -> dict:
-    """The module's 4-rank scenarios in one job (starting 4 processes and torch costs more
-    than they do): the fsdp x tp2 trainings, then the --init-from-hf layouts. Each part
-    gives ("ok", result) or ("error", its traceback), for its own test to report."""
-    results = {}
-    for part, function, runs in (("train", train_and_save, train_runs), ("init", initial_parameters, init_runs)):
-        try:
-            results[part] = ("ok", function(runs))
-        except Exception:  # noqa: BLE001 - reported by the part's own test
-            results[part] = ("error", traceback.format_exc())
-    return results
-
-
 @pytest.fixture(scope="module")
-def four_rank_job(data_dir, hf_dirs, tmp_path_factory) -> tuple[Path, list[dict]]:
+def four_rank_job(data_dir, hf_dirs, tmp_path_factory) -> tuple[Path, Scenarios]:
+    """The module's 4-rank scenarios in one job (starting 4 processes and torch costs more
+    than they do): the fsdp x tp2 trainings, then the --init-from-hf layouts."""
     root = tmp_path_factory.mktemp("four_ranks")
     init_runs = []
     for family, task in (("llama", "causal_lm"), ("roberta", "masked_lm")):
@@ -115,24 +103,15 @@ def four_rank_job(data_dir, hf_dirs, tmp_path_factory) -> tuple[Path, list[dict]
         args = [a for a in common_args(data_dir, str(root / "train" / arch), arch) if a != "--no-save"]
         train_runs.append((args + ["--batch-size", "4", "--strategy", "fsdp", "--tp-degree", "2",
                                    "--disable-validation"], FSDP_TP2_UPDATES))
-    return root, run_distributed(_four_rank_job, 4, init_runs, train_runs, timeout=400)
-
-
-def job_part(four_rank_job, part: str) -> list:
-    """The part's per-rank results; fails the test with its traceback where it failed."""
-    _, ranks = four_rank_job
-    for rank, results in enumerate(ranks):
-        status, value = results[part]
-        if status == "error":
-            pytest.fail(f"{part} failed on rank {rank}:\n{value}")
-    return [results[part][1] for results in ranks]
+    return root, Scenarios(4, [("train", train_and_save, (train_runs,)), ("init", initial_parameters, (init_runs,))],
+                           timeout=400)
 
 
 def test_init_from_hf_loads_the_weights_exactly_under_every_layout(hf_dirs, four_rank_job):
     """Exact weights under ddp, fsdp and zero1 x tp 2 on 4 ranks; a rank of a sharded layout
     reads from the files about its own shards (plus the whole heads its rows of q/k touch,
     and RoBERTa's token-type row), not the whole model."""
-    ranks = job_part(four_rank_job, "init")
+    ranks = four_rank_job[1]["init"]
     assert len(ranks) == 4
     for family in ("llama", "roberta"):
         expected = dict(load_hf_model(hf_dirs[family])[0].named_parameters())
@@ -202,7 +181,7 @@ FSDP_TP2_UPDATES = 2
 def test_fsdp_tp2_checkpoint_exports_a_model_transformers_runs(four_rank_job):
     """2 updates under FSDP x TP 2 on 4 ranks; transformers' logits of the --hf export equal
     distlm's own model loaded from the plain export (distlm's names) within 1e-5."""
-    job_part(four_rank_job, "train")
+    four_rank_job[1]["train"]  # fails the test with the training's traceback
     root, _ = four_rank_job
     for arch, load in zip(FSDP_TP2_ARCHS, (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM)):
         save_dir = root / "train" / arch
