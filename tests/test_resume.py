@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import Scenarios
 from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.trainer import Trainer
@@ -89,7 +89,7 @@ FSDP_EXTRA = ["--strategy", "fsdp", "--disable-validation"]
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(data_dir, tmp_path_factory) -> tuple[Path, dict]:
+def two_rank_runs(data_dir, tmp_path_factory) -> tuple[Path, Scenarios]:
     """One 2-rank job for the module (starting 2 processes and torch costs more than these
     runs): straight, stopped and resumed, under DDP with accumulation, then under FSDP."""
     root = tmp_path_factory.mktemp("resume")
@@ -101,8 +101,7 @@ def two_rank_runs(data_dir, tmp_path_factory) -> tuple[Path, dict]:
                  args_for(data_dir, root / "fsdp" / "stopped", 2, FSDP_EXTRA),
                  args_for(data_dir, root / "fsdp" / "stopped", 4, FSDP_EXTRA)],
     }
-    ranks = run_distributed(fit_counting_whole_models, 2, runs["ddp"] + runs["fsdp"], timeout=300)
-    return root, {"ddp": [rank[:3] for rank in ranks], "fsdp": [rank[3:] for rank in ranks]}
+    return root, Scenarios(2, [(name, fit_counting_whole_models, (part,)) for name, part in runs.items()], timeout=300)
 
 
 def test_resume_is_exact_with_ddp_and_accumulation(two_rank_runs):
