@@ -439,8 +439,10 @@ class Checkpointer:
         first = names[0]
         self._saved_at = states[PROGRESS].num_updates
         staged = directory.incomplete(self.save_dir, first)
-        failure = None
+        lost = failure = None
         if self.ctx.is_main:
+            lost = self._lock_lost()
+        if self.ctx.is_main and lost is None:
             try:
                 shutil.rmtree(staged, ignore_errors=True)
                 staged.mkdir(parents=True)
@@ -450,7 +452,9 @@ class Checkpointer:
                 shutil.rmtree(staged, ignore_errors=True)
                 failure = _reason(err)
         # Also the barrier before anyone writes into the staged directory.
-        failure = self.ctx.all_gather_object(failure)[0]
+        lost, failure = self.ctx.all_gather_object((lost, failure))[0]
+        if lost is not None:
+            raise UsageError(lost)
         if failure is not None:
             raise CheckpointError(
                 f"saving {first} in {self.save_dir} failed: {failure}; the previous checkpoint is intact"
@@ -513,6 +517,8 @@ class Checkpointer:
         gathered = self.ctx.all_gather_object(written)
         failure = next((result for result in gathered if isinstance(result, str)), None)
         if self.ctx.is_main and failure is None:
+            failure = self._lock_lost()  # the last moment before the save would replace a checkpoint
+        if self.ctx.is_main and failure is None:
             try:
                 meta = {**meta, integrity.FILES_KEY: {name: entry for files in gathered for name, entry in files.items()}}
                 _write_json(staged / directory.META_FILE, meta)
@@ -533,6 +539,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"saving {', '.join(names)} in {self.save_dir} failed: {failure}; the previous checkpoint is intact"
             )
+
+    def _lock_lost(self) -> str | None:
+        """Rank 0: why the save dir is no longer this run's, or None (it is, or nothing is saved there)."""
+        return self._lock.lost() if self._lock is not None else None
 
     def _abandon(self, names: list[str], err: BaseException) -> None:
         """End a save that failed on some rank: every rank raises, rank 0 removes the staged directory."""

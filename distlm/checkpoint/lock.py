@@ -1,45 +1,67 @@
 """One owner per save dir: a lock file naming the run, its host and its process.
 
-Rank 0 creates ``.distlm-lock`` in the save dir atomically (written aside, then hard
-linked into place, which fails if the file exists) and refreshes its time while the run
-lives. Another run on the same save dir is refused, naming the owner, unless the lock
-is stale: its process is gone (on this host), or it has not been refreshed for
-``STALE_AFTER`` seconds (any host). The restarted workers of one torchrun or Slurm job
-are the same owner as the first ones, and so is a second Trainer in one process.
+Rank 0 holds ``.distlm-lock`` in the save dir and refreshes its time while the run lives.
+Another run on the same save dir is refused, naming the owner, unless the lock is stale:
+its process is gone (on this host; a pid now used by another process counts as gone), or,
+for a lock from another host, it has not been refreshed for ``STALE_AFTER`` seconds. A
+same-host lock whose process lives is never stale, however old: a suspended job or a hung
+mount leaves a live owner behind.
+
+Every change of the lock (taking it, taking it over, giving it up) happens under an
+exclusive ``flock`` of ``.distlm-lock.guard`` beside it, and re-reads the lock there. So
+of many runs that judge one stale lock at once, exactly one replaces it; the others then
+find its fresh lock and are refused. A run whose lock was taken over anyway (its host
+went quiet for longer than ``STALE_AFTER``) finds out before its next save (``lost``)
+and stops instead of writing into a directory another run owns.
+
+The owner is the launcher's job: the restarted workers of one torchrun job, a requeued
+Slurm job step, and a second Trainer in one process are the same owner as the first;
+two steps of one Slurm job, or two processes of one job alive on one host, are not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
 
 LOCK_FILE = ".distlm-lock"
+GUARD_FILE = ".distlm-lock.guard"
 REFRESH_EVERY = 30.0
 STALE_AFTER = 300.0
 """Seconds without a refresh after which a lock from another host is taken over."""
+GUARD_WAIT = 30.0
+"""Seconds to wait for the guard: it is held for the microseconds of one read and one
+rename, so a longer wait means its holder is stuck (a hung file system)."""
+_READ_LIMIT = 1 << 16
 
 
 def run_id() -> str:
     """Who this run is, the same for every restart of one launcher job."""
+    parts = []
+    if os.environ.get("SLURM_JOB_ID"):
+        step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID") or "batch"
+        parts.append(f"slurm job {os.environ['SLURM_JOB_ID']} step {step}")
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if job and job != "none":
-        return f"torchrun {job}"
-    if job:  # torchrun without --rdzv-id: its agent, the workers' parent, outlives restarts
-        return f"torchrun agent {socket.gethostname()}:{os.getppid()}"
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm job {os.environ['SLURM_JOB_ID']}"
-    return f"process {socket.gethostname()}:{os.getpid()}"
+        parts.append(f"torchrun {job}")
+    elif job:  # torchrun without --rdzv-id: its agent, the workers' parent, outlives restarts
+        parts.append(f"torchrun agent {socket.gethostname()}:{os.getppid()}")
+    return ", ".join(parts) or f"process {socket.gethostname()}:{os.getpid()}"
 
 
 class SaveDirLock:
@@ -47,67 +69,111 @@ class SaveDirLock:
 
     def __init__(self, save_dir: Path):
         self.path = save_dir / LOCK_FILE
-        self.owner = {"run": run_id(), "host": socket.gethostname(), "pid": os.getpid(),
-                      "since": time.strftime("%Y-%m-%d %H:%M:%S"), "token": uuid.uuid4().hex}
+        self.guard = save_dir / GUARD_FILE
+        pid = os.getpid()
+        self.owner = {"run": run_id(), "host": socket.gethostname(), "boot": _boot_id(), "pid": pid,
+                      "start": _process_start(pid), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                      "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the lock, or raise ``UsageError`` naming the run that holds it."""
-        for _ in range(3):
-            if self._create():
-                break
-            holder = _read(self.path)
-            if holder is None:
-                continue  # removed meanwhile: try again
-            if holder.get("run") == self.owner["run"]:
-                self._replace()  # a restart of this job, or a second Trainer in this process
-                break
-            why = _stale(holder, self.path)
-            if why is None:
-                raise UsageError(
-                    f"--save-dir {self.path.parent} belongs to another run ({holder.get('run')}, host "
-                    f"{holder.get('host')}, pid {holder.get('pid')}, since {holder.get('since')}; lock {self.path}): "
-                    "name another --save-dir, or stop that run")
-            logger.info("--save-dir %s: took over the lock of run %s (%s)", self.path.parent, holder.get("run"), why)
-            try:
-                os.rename(self.path, self.path.with_name(f"{LOCK_FILE}.stale-{self.owner['token']}"))
-                os.unlink(self.path.with_name(f"{LOCK_FILE}.stale-{self.owner['token']}"))
-            except FileNotFoundError:
-                pass  # another run took it over first: the next try finds its lock
-        else:
-            raise UsageError(f"--save-dir {self.path.parent}: cannot take its lock {self.path}; remove it if no run uses the directory")
+        with self._guarded():
+            holder = self._read()
+            if holder is not None:
+                why = _taken_over_because(holder, self.owner, self.path)
+                if why is None:
+                    other = ("another process of this job" if holder.get("run") == self.owner["run"]
+                             else "another run")
+                    raise UsageError(
+                        f"--save-dir {self.path.parent} belongs to {other} ({_describe(holder)}; lock "
+                        f"{self.path}): name another --save-dir, or stop that run")
+                if holder.get("run") != self.owner["run"]:
+                    logger.info("--save-dir %s: took over the lock of run %s (%s)", self.path.parent,
+                                holder.get("run"), why)
+            staged = self.path.with_name(f"{LOCK_FILE}.{self.owner['token']}")
+            staged.write_text(json.dumps(self.owner))
+            os.replace(staged, self.path)
         self._thread = threading.Thread(target=self._refresh, name="distlm-save-dir-lock", daemon=True)
         self._thread.start()
 
+    def lost(self) -> str | None:
+        """Why the lock is no longer this run's (one line naming the run that holds it now), or None."""
+        try:
+            holder = self._read()
+        except UsageError as err:
+            return str(err)
+        if holder is not None and holder.get("token") == self.owner["token"]:
+            return None
+        now = f"run {_describe(holder)} holds it now" if holder is not None else "it was removed"
+        return (f"--save-dir {self.path.parent} is no longer this run's: its lock {self.path} was taken over "
+                f"({now}); this run stops without saving, so that two runs never write one directory")
+
     def release(self) -> None:
         self._stop.set()
-        holder = _read(self.path)
-        if holder is not None and holder.get("token") == self.owner["token"]:
-            self.path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError, UsageError), self._guarded():
+            holder = self._read()
+            if holder is not None and holder.get("token") == self.owner["token"]:
+                self.path.unlink(missing_ok=True)
 
-    def _create(self) -> bool:
-        staged = self._write_aside()
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """Hold the guard's exclusive flock: the lock changes only here."""
         try:
-            os.link(staged, self.path)
-            return True
-        except FileExistsError:
-            return False
+            fd = os.open(self.guard, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except OSError as err:
+            raise UsageError(f"--save-dir {self.path.parent}: cannot open its lock guard {self.guard} "
+                             f"({_reason(err)}); remove it if it is not a plain file") from None
+        try:
+            deadline = time.monotonic() + GUARD_WAIT
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise UsageError(f"--save-dir {self.path.parent}: its lock guard {self.guard} has been held "
+                                         f"for over {GUARD_WAIT:.0f} s; is the file system hung?") from None
+                    time.sleep(0.01)
+                except OSError as err:
+                    raise UsageError(
+                        f"--save-dir {self.path.parent}: its file system does not support file locks "
+                        f"({_reason(err)}), which keep two runs from sharing it; name a save dir on a file system "
+                        "that does (NFSv4, Lustre mounted with -o flock, a local disk)") from None
+            yield
         finally:
-            staged.unlink(missing_ok=True)
+            os.close(fd)  # also releases the flock
 
-    def _replace(self) -> None:
-        os.replace(self._write_aside(), self.path)
+    def _read(self) -> dict[str, Any] | None:
+        """The lock's owner record, None if there is none; a lock that is not a plain file is refused."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR):
+                raise UsageError(self._not_a_lock("a symbolic link" if err.errno == errno.ELOOP else "a directory"))
+            return {"run": f"unknown (unreadable lock: {_reason(err)})"}
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise UsageError(self._not_a_lock("a directory" if stat.S_ISDIR(mode) else "not a plain file"))
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(_READ_LIMIT)
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = None
+        return holder if isinstance(holder, dict) else {"run": "unknown (unreadable lock)"}
 
-    def _write_aside(self) -> Path:
-        staged = self.path.with_name(f"{LOCK_FILE}.{self.owner['token']}")
-        staged.write_text(json.dumps(self.owner))
-        return staged
+    def _not_a_lock(self, what: str) -> str:
+        return (f"--save-dir {self.path.parent}: its lock {self.path} is {what}, not a lock distlm wrote; "
+                "remove it if no run uses the directory")
 
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_EVERY):
-            holder = _read(self.path)
-            if holder is None or holder.get("token") != self.owner["token"]:
+            if self.lost() is not None:
                 return
             try:
                 os.utime(self.path)
@@ -115,14 +181,31 @@ class SaveDirLock:
                 return
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        holder = json.loads(path.read_text())
-    except FileNotFoundError:
+def _taken_over_because(holder: dict[str, Any], owner: dict[str, Any], path: Path) -> str | None:
+    """Why ``owner`` may replace the lock of ``holder`` (a reason; "" for its own job), or None."""
+    same_host = holder.get("host") == owner["host"] and holder.get("boot", owner["boot"]) == owner["boot"]
+    pid = holder.get("pid")
+    if same_host and isinstance(pid, int) and pid != owner["pid"]:
+        if not process_exists(pid):
+            return f"its process {pid} is gone"
+        start = holder.get("start")
+        if start is not None and start != _process_start(pid):
+            return f"its process {pid} is gone (the pid now names another process)"
+        return None  # alive on this host: never stale by age, and not a restart of this job
+    if holder.get("run") == owner["run"]:
+        return ""  # a restart of this job (elsewhere, or in this process)
+    if same_host:
         return None
-    except (OSError, ValueError):
-        return {"run": "unknown (unreadable lock)", "host": None, "pid": None}
-    return holder if isinstance(holder, dict) else {"run": "unknown (unreadable lock)", "host": None, "pid": None}
+    try:
+        age = time.time() - os.stat(path, follow_symlinks=False).st_mtime
+    except OSError:
+        return "its lock is gone"
+    return f"not refreshed for {age:.0f} s" if age > STALE_AFTER else None
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    return (f"{holder.get('run')}, host {holder.get('host', 'unknown')}, pid {holder.get('pid', 'unknown')}, "
+            f"since {holder.get('since', 'unknown')}")
 
 
 def process_exists(pid: int) -> bool:
@@ -136,15 +219,24 @@ def process_exists(pid: int) -> bool:
     return True
 
 
-def _stale(holder: dict[str, Any], path: Path) -> str | None:
-    """Why the lock ``holder`` no longer stands for a live run, or None."""
-    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
-        if not process_exists(holder["pid"]):
-            return f"its process {holder['pid']} is gone"
+def _process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (None where /proc does not say):
+    with the pid, it names one process, so a pid reused after a crash is not taken for the owner."""
     try:
-        age = time.time() - os.stat(path).st_mtime
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    """This boot of this machine: a host name alone can repeat across containers or reboots."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        return "its lock is gone"
-    if age > STALE_AFTER:
-        return f"not refreshed for {age:.0f} s"
-    return None
+        return None
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or str(err)
