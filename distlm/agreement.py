@@ -12,6 +12,7 @@ ranks holding each value.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -25,26 +26,43 @@ from distlm.errors import UsageError
 PER_RANK = frozenset({"distributed_rank", "num_workers", "log_format", "compile_cache", "data"})
 
 # Index files are small next to the token files; a prefix this long identifies them in
-# practice, and the recorded size of every file covers the rest.
+# practice, and the recorded size of every file covers the rest. Of the token files a
+# shorter prefix is hashed, so that a start with many shards stays quick.
 HASHED_PREFIX_BYTES = 64 << 20
+HASHED_TOKEN_PREFIX_BYTES = 1 << 20
 
 
 def fingerprint_data(path: str | None) -> str:
-    """Sizes of every file of a data directory, and a hash of its dictionary and index files."""
+    """One hash of what a data directory holds (``data_files``), as text."""
     if path is None:
         return "the built-in corpus"
-    root = Path(path)
-    if not root.is_dir():
+    files = data_files(path)
+    if files is None:
         return "no such directory"
-    digest = hashlib.sha256()
-    for entry in sorted(root.iterdir()):
-        if not entry.is_file():
-            continue
-        digest.update(f"{entry.name}:{entry.stat().st_size};".encode())
-        if entry.name.endswith((".txt", ".idx", ".json")):
-            with open(entry, "rb") as f:
-                digest.update(f.read(HASHED_PREFIX_BYTES))
-    return f"contents {digest.hexdigest()[:12]}"
+    return f"contents {hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def data_files(path: str | None) -> dict[str, str] | None:
+    """Each file of a data directory, by name: its size and a hash of its head (the whole
+    dictionary and index files, in practice). None for the built-in corpus or no directory.
+
+    Kept in every checkpoint, so a resume notices data replaced under the same path."""
+    if path is None or not Path(path).is_dir():
+        return None
+    entries = tuple((entry.name, entry.stat()) for entry in sorted(Path(path).iterdir()) if entry.is_file())
+    return _data_files(str(path), tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in entries))
+
+
+@functools.lru_cache(maxsize=4)
+def _data_files(path: str, stats: tuple[tuple[str, int, int, int], ...]) -> dict[str, str]:
+    """``data_files`` of the directory as ``stats`` saw it: the agreement at start and every
+    save read the files once, and a file rewritten since is read again."""
+    files = {}
+    for name, size, _, _ in stats:
+        limit = HASHED_PREFIX_BYTES if name.endswith((".txt", ".idx", ".json")) else HASHED_TOKEN_PREFIX_BYTES
+        with open(Path(path) / name, "rb") as f:
+            files[name] = f"{size} bytes, sha256 {hashlib.sha256(f.read(limit)).hexdigest()[:16]}"
+    return files
 
 
 def shared_settings(config: Any) -> dict[str, str]:

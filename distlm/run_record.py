@@ -1,8 +1,8 @@
 """What a run records about itself: enough to export a checkpoint and to reproduce a number.
 
 ``distlm.json`` gets the command-line config, the dictionary, tied weight names, the
-model's config and family, for a Hugging Face model its special token ids, and the
-trackers' run ids; the checkpoint directory gets the tokenizer as Hugging Face files.
+model's config and family, for a Hugging Face model its special token ids, the
+trackers' run ids and the data files' fingerprints; the checkpoint directory gets the tokenizer as Hugging Face files.
 ``run.json``, beside the checkpoints (and the scaling suite's results), says what ran
 where: distlm's version and commit, torch and backend versions, the resolved config,
 the launcher and layout, the hardware and the communication environment variables.
@@ -25,6 +25,7 @@ import torch
 
 from torch import nn
 
+from distlm.agreement import data_files
 from distlm.builder import ModelSpec
 from distlm.checkpoint import TOKENIZER_DIR
 from distlm.config import TrainConfig
@@ -48,6 +49,7 @@ def describe_run(config: TrainConfig, data: Any, model: nn.Module, spec: ModelSp
         "model_config": dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else None,
         "special_tokens": _special_tokens(spec, dictionary),
         "trackers": tracker_ids or {},
+        "data_files": data_files(config.data.data),
     }
 
 

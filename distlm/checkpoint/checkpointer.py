@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distlm.agreement import data_files
 from distlm.checkpoint import compare, directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.lock import SaveDirLock
@@ -237,6 +238,8 @@ class Checkpointer:
         if not load_optimizer:
             skipped |= {OPTIMIZER, SCALER}
         wanted = [MODEL] if weights_only else [key for key in states if key not in skipped]
+        if config is not None and not weights_only:
+            self._check_data(resume, config)
         if legacy.is_legacy(resume.path):
             loaded = self._load_legacy(resume.path, states, wanted)
         else:
@@ -284,6 +287,21 @@ class Checkpointer:
                                                self.ctx.dims.dp, progress.consumed_samples)
             if changes:
                 logger.info("%s", changes)
+
+    def _check_data(self, resume: Resume, config: dict[str, Any]) -> None:
+        """Refuse data replaced under the saved position, unless the data starts afresh (every rank the same)."""
+        data = config.get("data", {}).get("data")
+        changed = compare.data_difference(resume.meta.get("data_files"), data_files(data))
+        if changed is None:
+            return
+        if not self.settings.reset_dataloader:
+            consumed = (resume.meta.get("progress") or {}).get("consumed_samples")
+            raise UsageError(f"--data {data}: {changed} since {resume.path} was saved, so its data position "
+                             f"({consumed} samples consumed) would read other text; add --reset-dataloader to start "
+                             "the data from its beginning, or restore the data the run was trained on")
+        if self.ctx.is_main:
+            logger.info("--data %s: %s since %s was saved; --reset-dataloader: the data starts from its beginning",
+                        data, changed, resume.path)
 
     def _load_legacy(self, path: Path, states: Mapping[str, Stateful], wanted: list[str]) -> set[str]:
         """The old single-file format: whole tensors cut into this rank's shards."""

@@ -1,7 +1,8 @@
 """What differs between a checkpoint and the run resuming it: the model, and the settings.
 
 A model whose names or shapes differ from the checkpoint's is refused before anything
-is loaded (``first_model_difference``); changed training settings are one log line
+is loaded (``first_model_difference``), and so is data that changed under the saved
+position (``data_difference``); changed training settings are one log line
 (``changed_settings``), which says how the data position carries over when the change
 moves it.
 """
@@ -34,6 +35,22 @@ def first_model_difference(saved: dict[str, tuple[int, ...]], built: dict[str, t
     for name in saved:
         if name not in built:
             return f"the checkpoint has {name}, the model built does not"
+    return None
+
+
+def data_difference(saved: Any, now: dict[str, str] | None) -> str | None:
+    """The first data file that differs from the one the checkpoint was trained on, as a
+    phrase, or None (the same files, or a checkpoint that did not record them)."""
+    if not isinstance(saved, dict) or now is None:
+        return None
+    for name, entry in now.items():
+        if name not in saved:
+            return f"{name} was not there when the checkpoint was saved"
+        if saved[name] != entry:
+            return f"{name} changed ({saved[name]} then, {entry} now)"
+    for name in saved:
+        if name not in now:
+            return f"{name} is gone"
     return None
 
 
