@@ -6,30 +6,39 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distlm.builder import ModelSpec, Vocabulary
+from distlm.errors import UsageError
 from distlm.memory import memory_report
 from distlm.models import LlamaConfig, RobertaConfig
+from distlm.models.flops import count_parameters
 from distlm.parallel.names import unwrap
 
 logger = logging.getLogger("distlm")
 
 
 def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | None, seed: int,
-              vocabulary: Vocabulary | None = None) -> None:
+              vocabulary: Vocabulary | None = None, stage_sizes: list[int] | None = None) -> None:
     """Rank 0 says what it found before the first update, which may take minutes: the
     data, the model's size and shape and what each rank holds of it, and where it starts
-    from (``fresh``: the spec of a run not resumed from a checkpoint)."""
+    from (``fresh``: the spec of a run not resumed from a checkpoint). ``stage_sizes``:
+    under pipeline parallelism, the parameters of each pipeline rank's stages."""
     if not is_main:
         return
     dictionary = getattr(data, "dictionary", None)
     logger.info("data: %d training samples%s", len(data),
                 f", vocabulary of {len(dictionary)} symbols" if dictionary is not None else "")
     held = memory_report(model, None)
-    logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
-                f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
+    if stage_sizes is None:
+        logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",
+                    f"{_parameter_count(model):,}", held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "whole")
+    else:
+        logger.info("model: %s parameters, in %d pipeline stages of %s parameters; %.1f MiB of weights on rank 0 (%s)",
+                    f"{_whole_count(model, stage_sizes):,}", len(stage_sizes), ", ".join(f"{n:,}" for n in stage_sizes),
+                    held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "its stage whole")
     config = getattr(unwrap(model), "config", None)
     if isinstance(config, (LlamaConfig, RobertaConfig)):
         logger.info("model shape: %s", describe_shape(config, vocabulary))
@@ -41,6 +50,25 @@ def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | Non
 def _parameter_count(model: nn.Module) -> int:
     """Single-device parameter count of a (possibly sharded) model."""
     return sum(p.numel() for p in model.parameters())
+
+
+def pipeline_stage_sizes(model: nn.Module, dims: Any, device_type: str) -> list[int] | None:
+    """The parameters each pipeline rank's stages hold, in pipeline order (collective over
+    the pipeline group); None without pipeline parallelism."""
+    if not dims.pp_enabled:
+        return None
+    sizes: list[Any] = [None] * dims.pp
+    dist.all_gather_object(sizes, _parameter_count(model), group=dims.pp_group(device_type))
+    return sizes
+
+
+def _whole_count(stage: nn.Module, stage_sizes: list[int]) -> int:
+    """The whole model's parameters: from the config every stage keeps (a tied weight once),
+    else the stages' sum."""
+    try:
+        return count_parameters(unwrap(stage))
+    except UsageError:
+        return sum(stage_sizes)
 
 
 def _sharded(model: nn.Module) -> bool:

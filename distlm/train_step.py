@@ -40,7 +40,8 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     if ctx.world_group is not None:
         with trainer.observer.waiting_for_peers():  # ranks with their batch ready wait here for the late ones
             dist.all_reduce(counts, group=ctx.world_group)
-    global_targets = counts[:1] / (ctx.world_size // ctx.dims.dp)
+    # A 0-dim tensor: a one-element vector would make each loss it scales a non-scalar to backward.
+    global_targets = counts[0] / (ctx.world_size // ctx.dims.dp)
     loss_scale = precision.loss_scale
     # DDP averages gradients over replicas; multiplying by their number makes the
     # result the gradient of (summed loss / global target tokens): normalised once.

@@ -35,7 +35,7 @@ from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
-from distlm.start_log import log_start
+from distlm.start_log import log_start, pipeline_stage_sizes
 from distlm.train_step import train_step
 
 logger = logging.getLogger("distlm")
@@ -94,7 +94,7 @@ class Trainer:
                                                   build.fill_shards)
         self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
-                  vocabulary)
+                  vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = GlobalBatchSampler(
             num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,
