@@ -284,7 +284,7 @@ class Checkpointer:
             saved_layout = meta.get("layout")
             changes = compare.changed_settings(meta.get("config"), config,
                                                saved_layout.get("dp") if isinstance(saved_layout, dict) else None,
-                                               self.ctx.dims.dp, progress.consumed_samples)
+                                               self.ctx.dims.dp, progress.consumed_samples, progress.num_updates)
             if changes:
                 logger.info("%s", changes)
 

@@ -9,18 +9,24 @@ moves it.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
-# Settings that say when to stop, where to log or validate, or how to read: changing
-# them on resume is routine and changes nothing trained.
+from distlm.config import OptimConfig
+from distlm.optim import LRSchedule
+
+# Settings that say where to log or validate, how to read, how long to wait, or who this
+# rank is: changing them on resume is routine and changes nothing trained.
 _NOT_COMPARED = {
-    "optim": {"max_update", "max_epoch"},
     "data": {"num_workers", "valid_subset", "disable_validation", "validate_interval", "validate_interval_updates",
              "max_valid_steps", "batch_size_valid"},
     "precision": {"allow_slow_fp16"},
     "model": {"init_from_hf"},
+    "distributed": {"timeout_sec", "check_replicas", "distributed_world_size", "distributed_rank",
+                    "distributed_init_method"},
 }
-_COMPARED_SECTIONS = ("model", "data", "optim", "precision")
+_COMPARED_SECTIONS = ("model", "data", "optim", "precision", "distributed")
 # Settings that change which text a count of consumed samples stands for.
 _SAMPLE_SETTINGS = ("data", "tokens_per_sample", "sample_break_mode")
 
@@ -62,8 +68,9 @@ def shared_weights(saved: dict[str, tuple[int, ...]], built: dict[str, tuple[int
 
 
 def changed_settings(saved: dict[str, Any] | None, config: dict[str, Any], saved_dp: int | None, dp: int,
-                     consumed_samples: int) -> str | None:
-    """One line listing the training settings that differ from the checkpoint's, or None."""
+                     consumed_samples: int, updates: int) -> str | None:
+    """One line listing the training settings that differ from the checkpoint's (at update
+    ``updates``), and where the learning-rate schedule moves with them; or None."""
     if not isinstance(saved, dict):
         return None
     changes = []
@@ -81,6 +88,9 @@ def changed_settings(saved: dict[str, Any] | None, config: dict[str, Any], saved
     batch_now = _global_batch(config.get("data"), dp)
     if batch_before is not None and batch_now is not None and batch_before != batch_now:
         changes.append(f"global batch {batch_before} → {batch_now}")
+    moved_lr = _schedule_move(saved.get("optim"), config.get("optim"), updates)
+    if moved_lr is not None:
+        changes.append(moved_lr)
     if not changes:
         return None
     line = "resuming with " + ", ".join(changes)
@@ -95,6 +105,22 @@ def changed_settings(saved: dict[str, Any] | None, config: dict[str, Any], saved
         line += (f"; the data position carries over as {consumed_samples} samples consumed: the next update "
                  f"reads on from sample {consumed_samples} of the same order, {batch_now} samples per update")
     return line
+
+
+def _schedule_move(before: Any, now: Any, updates: int) -> str | None:
+    """Where the next update's learning rate differs from the one the checkpoint's schedule
+    gave it (a changed --max-update moves a decaying schedule), as a phrase; or None."""
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return None
+    names = {field.name for field in dataclasses.fields(OptimConfig)}
+    try:
+        then = LRSchedule(OptimConfig(**{k: v for k, v in before.items() if k in names})).lr_at(updates + 1)
+        next_lr = LRSchedule(OptimConfig(**{k: v for k, v in now.items() if k in names})).lr_at(updates + 1)
+    except (TypeError, ValueError):
+        return None  # a checkpoint's optim section that is not one: no schedule to compare
+    if math.isclose(then, next_lr, rel_tol=1e-9, abs_tol=0.0):
+        return None
+    return f"the learning-rate schedule moves: update {updates + 1} gets lr {next_lr:.4g}, the saved schedule's {then:.4g}"
 
 
 def _global_batch(data: Any, dp: int | None) -> int | None:
