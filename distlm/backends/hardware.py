@@ -23,6 +23,20 @@ from distlm.errors import UsageError
 from distlm.precision import DTYPES, dtype_name
 
 
+# The CPU features that give fast half-precision matrix multiplies (oneDNN's AMX and AVX-512 kernels).
+HALF_PRECISION_CPU_FLAGS = ("amx_fp16", "amx_bf16", "avx512_fp16", "avx512_bf16")
+
+
+def cpu_half_precision_flags() -> list[str]:
+    """Which of ``HALF_PRECISION_CPU_FLAGS`` this CPU reports in /proc/cpuinfo (none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in HALF_PRECISION_CPU_FLAGS if flag in flags]
+
+
 def host_cores() -> int:
     """Cores this process may run on (its CPU affinity), which a CPU node's ranks share."""
     try:
