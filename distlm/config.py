@@ -236,8 +236,10 @@ class DistributedConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: str = "checkpoints"
-    """Directory of checkpoints (each a directory of shards); a run resumes from its checkpoint_last."""
+    save_dir: str | None = None
+    """Directory of checkpoints (each a directory of shards); a run resumes from its checkpoint_last.
+    Default: checkpoints/MODEL, MODEL being the --arch (the --init-from-hf directory's name, or the
+    class of a model handed to the Trainer), so that runs of different models never share one."""
     save_interval_updates: int = 0
     """Also save checkpoint_<updates> every N updates (0: never)."""
     save_interval: int = 1
@@ -626,7 +628,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     if args.criterion is not None:
         _apply_criterion(config, args.criterion)
     check_settings(config)
+    config.from_command_line = True  # not a field: errors name the flags only (distlm/api_errors.py)
     return config
+
+
+def default_save_dir(config: TrainConfig, model_name: str | None = None) -> str:
+    """Where a run keeps its checkpoints when --save-dir is not given: checkpoints/MODEL."""
+    name = model_name or (Path(config.model.init_from_hf).name if config.model.init_from_hf else config.model.arch)
+    return str(Path("checkpoints") / name)
 
 
 def _apply_criterion(config: TrainConfig, criterion: str) -> None:

@@ -33,6 +33,7 @@ from distlm.parallel.api import parallelize
 from distlm.parallel.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
+from distlm.python_api import naming_config_fields, prepare_config
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
 from distlm.start_log import log_start, pipeline_stage_sizes
@@ -53,9 +54,10 @@ class Trainer:
     for the checkpoint to save and resume, by name.
     """
 
+    @naming_config_fields
     def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, train_data: Any = None,
                  dist: DistContext | None = None, states: dict[str, Stateful] | None = None):
-        self.config = config
+        self.config = prepare_config(config, model)
         check_observe_settings(config)
         self.ctx = dist if dist is not None else init_distributed(config, model)
         # Before any other collective: ranks launched differently must not reach DDP or the data.
@@ -136,6 +138,7 @@ class Trainer:
         return update_batches(self.data, self.sampler, self.progress.consumed_samples, self.pad_id,
                               self.config.data.num_workers, self.fixed_length, self.model_inputs.masked_positions)
 
+    @naming_config_fields
     def fit(self) -> dict[str, Any]:
         self.stop.install()  # before the data workers start: they ignore the stop signals
         try:
