@@ -19,7 +19,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from distlm.errors import OneLineErrorParser, UsageError, report_usage_error
 
@@ -89,7 +89,7 @@ def read_log(path: Path) -> RunLog:
     return run
 
 
-def _log_lines(path: Path):
+def _log_lines(path: Path) -> Iterator[str]:
     """The lines of the regular file at ``path``, each at most MAX_LINE_BYTES (UsageError otherwise)."""
     try:
         # Non-blocking, so that opening a named pipe returns at once; fstat then judges the
