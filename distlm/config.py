@@ -711,6 +711,15 @@ def check_settings(config: TrainConfig) -> None:
         config.compile.compile = True  # precompiling is compiling
 
 
+def check_shared_settings(values: dict[str, Any]) -> None:
+    """distlm.train's check of each setting on its own (choices, finite, bounds), for a tool whose
+    flags keep distlm.train's names and meanings (distlm.plan); its other flags are its own to check."""
+    settings = {name for cls in SECTIONS.values() for name in get_type_hints(cls)}
+    for name, value in values.items():
+        if name in settings:
+            _check_value(name, value)
+
+
 def _check_value(name: str, value: Any) -> None:
     flag = "--" + name.replace("_", "-")
     if name in CHOICES and value is not None and value not in CHOICES[name]:

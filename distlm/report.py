@@ -14,12 +14,23 @@ from __future__ import annotations
 
 import html
 import json
+import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from distlm.errors import OneLineErrorParser, UsageError, report_usage_error
+
+# A log is untrusted input: a record of distlm or fairseq is one short line of flat JSON
+# (fairseq's longest, its arguments, is about 11 KiB), so a longer line or deeper nesting is
+# not a log of theirs. The caps keep memory bounded on a file with no newlines and keep
+# json's recursive parser from running out of stack.
+MAX_LINE_BYTES = 1 << 20
+MAX_JSON_DEPTH = 32
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 # (file, title, y label, [(series, key)], y log scale)
 PLOTS = (
@@ -46,13 +57,12 @@ class RunLog:
 
 def read_log(path: Path) -> RunLog:
     """The train and validation points of a distlm or fairseq JSON log."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError as err:
-        raise UsageError(f"{path}: cannot read the log ({err.strerror})") from None
     run = RunLog(path.stem, "distlm")
     fairseq_seen = False
-    for line in lines:
+    for number, line in enumerate(_log_lines(path), start=1):
+        if _nesting_depth(line) > MAX_JSON_DEPTH:
+            raise UsageError(f"{path}: line {number} nests JSON more than {MAX_JSON_DEPTH} levels deep; distlm "
+                             "and fairseq records are flat: give a distlm JSON log or fairseq's --log-format json")
         parsed = _json_of(line)
         if parsed is None:
             continue
@@ -77,6 +87,61 @@ def read_log(path: Path) -> RunLog:
     run.valid = sorted({(p["subset"], p["update"]): p for p in run.valid}.values(), key=lambda p: p["update"])
     _add_tokens(run)
     return run
+
+
+def _log_lines(path: Path) -> Iterator[str]:
+    """The lines of the regular file at ``path``, each at most MAX_LINE_BYTES (UsageError otherwise)."""
+    try:
+        # Non-blocking, so that opening a named pipe returns at once; fstat then judges the
+        # file opened, not one that replaced it after a check.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise UsageError(f"{path}: cannot read the log ({err.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+        raise UsageError(f"{path} is {kind}, not a regular file; give the log file itself (distlm's --log-file "
+                         "or fairseq's output)")
+    os.set_blocking(fd, True)
+    with open(fd, "rb") as file:
+        number = 0
+        try:
+            while line := file.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):  # newline excluded, it fits
+                    raise UsageError(f"{path}: line {number} is longer than {MAX_LINE_BYTES >> 20} MiB; distlm and "
+                                     "fairseq write one short JSON record a line: is this a training log?")
+                yield line.decode("utf-8", errors="replace")
+        except OSError as err:
+            raise UsageError(f"{path}: cannot read the log ({err.strerror})") from None
+
+
+def _nesting_depth(line: str) -> int:
+    """How deep the brackets of the JSON in ``line`` (from its first brace, as _json_of reads it)
+    nest outside strings; counted only where enough brackets exist to exceed MAX_JSON_DEPTH,
+    which a flat record never has."""
+    text = line[max(line.find("{"), 0):]
+    if text.count("{") + text.count("[") <= MAX_JSON_DEPTH:
+        return 0
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "}]":
+            depth -= 1
+    return deepest
 
 
 def _json_of(line: str) -> tuple[str | None, dict[str, Any]] | None:
@@ -218,14 +283,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for the PNGs and index.html")
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file; name a directory for the pictures and index.html")
         paths = [Path(log) for log in args.logs]
         runs = [read_log(path) for path in paths]
         for run, label in zip(runs, _labels(paths)):
             run.label = label
-        pictures = write_report(runs, Path(args.out))
+        try:
+            pictures = write_report(runs, out)
+        except OSError as err:  # a parent that is a file, no permission, a full disk
+            raise UsageError(f"--out {out}: cannot write {err.filename or 'there'} ({err.strerror or err})") from None
     except UsageError as exc:
         return report_usage_error("distlm.report: error: ", exc, 0)
-    print(f"{len(pictures)} pictures and {Path(args.out) / 'index.html'}")
+    print(f"{len(pictures)} pictures and {out / 'index.html'}")
     return 0
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import struct
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -264,6 +265,49 @@ def main_report(argv):
     from distlm.report import main as report_main
 
     return report_main(argv)
+
+
+def _deep_json(tmp_path: Path) -> tuple[Path, str]:
+    path = tmp_path / "train.log"
+    path.write_text('{"kind": "train", "update": 1, "loss": 2.0}\n{"a": ' + "[" * 100_000 + "\n")
+    return path, f"{path}: line 2 nests JSON more than 32 levels deep"
+
+
+def _no_newlines(tmp_path: Path) -> tuple[Path, str]:
+    path = tmp_path / "train.log"
+    path.write_bytes(b"\0" * (2 << 20))  # as /dev/zero would give, in a regular file
+    return path, f"{path}: line 1 is longer than 1 MiB"
+
+
+def _dev_zero(tmp_path: Path) -> tuple[Path, str]:
+    return Path("/dev/zero"), "/dev/zero is a character device, not a regular file"
+
+
+@pytest.mark.parametrize("make", [_deep_json, _no_newlines, _dev_zero])
+def test_report_refuses_a_log_that_is_not_one_in_one_line(make, tmp_path, capsys):
+    """Read line by line under caps: no RecursionError from json, no file read whole into memory."""
+    path, message = make(tmp_path)
+    assert main_report([str(path), "--out", str(tmp_path / "report")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"distlm.report: error: {message}"), lines
+    assert not (tmp_path / "report").exists()
+
+
+def test_report_refuses_a_named_pipe_and_an_out_that_is_a_file(tmp_path, capsys):
+    """A FIFO with no writer used to block the report forever: a subprocess, so a hang fails the test."""
+    fifo = tmp_path / "train.log"
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, "-m", "distlm.report", str(fifo), "--out", str(tmp_path / "report")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"distlm.report: error: {fifo} is a named pipe, not a regular file; give the log file itself "
+        "(distlm's --log-file or fairseq's output)"], result.stderr
+    target = tmp_path / "report.png"
+    target.write_text("keep me")
+    assert main_report([str(FAIRSEQ_LOG), "--out", str(target)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distlm.report: error: --out {target} is a file; name a directory for the pictures and index.html"]
+    assert target.read_text() == "keep me"
 
 
 @pytest.mark.parametrize("flag, module", [("--tensorboard-logdir", "tensorboard"), ("--wandb-project", "wandb"),

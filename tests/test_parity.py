@@ -17,7 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 import distlm
-from distlm.parity.__main__ import main
+from distlm.backends.hardware import host_cores
+from distlm.parity.__main__ import RANKS_PER_CORE, main
 from distlm.parity.compare import tolerance_for
 from distlm.parity.layouts import parse_layout
 from distlm.parity.worker import PERTURB_VARIABLE
@@ -113,6 +114,20 @@ def test_an_out_path_that_is_a_file_is_one_line_and_exit_status_2(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert f"--out {target} is a file" in err and "\n" not in err
     assert target.read_text() == "keep me"
+
+
+def test_more_ranks_than_the_machine_can_run_is_one_line_and_exit_status_2(tmp_path, capsys):
+    """dp=64 used to start 64 processes on this machine's cores; the limit is named with the flag that raises it."""
+    limit = RANKS_PER_CORE * host_cores()
+    assert main(["--layouts", "strategy=ddp,dp=2", "dp=64", "--steps", "1", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"distlm.parity: error: layout 'dp=64' starts 64 processes, more than the limit of {limit} ({RANKS_PER_CORE} "
+        f"per core x {host_cores()} cores); lower its degrees, or raise the limit with --max-ranks 64"]
+    assert main(["--layouts", "tp=2", "--max-ranks", "1", "--steps", "1", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "distlm.parity: error: layout 'tp=2' starts 2 processes, more than the limit of 1; lower its degrees, or "
+        "raise the limit with --max-ranks 2"]
+    assert not (tmp_path / "out").exists()  # refused before anything started
 
 
 def test_pipeline_layouts_are_reported_equal_and_refuse_activations(tmp_path, capsys):

@@ -224,6 +224,8 @@ def four_rank_job(data_dir: str, tmp_path: Path, save_dir: str) -> dict:
 @pytest.mark.parametrize("flags, words", [
     (["--pp-degree", "2"], "world size"),
     (["--pp-degree", "8", "--distributed-world-size", "8"], "4 blocks"),
+    (["--pp-degree", "2", "--decoder-layers", "1", "--distributed-world-size", "2"],
+     "has 1 block; use at most 1 stage"),
     (["--pp-degree", "2", "--pp-schedule", "interleaved-1f1b", "--distributed-world-size", "2"],
      "--pp-stages-per-rank 2"),
     (["--pp-degree", "2", "--pp-microbatches", "3", "--distributed-world-size", "2"], "does not split"),

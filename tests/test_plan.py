@@ -620,3 +620,26 @@ def test_cli_refuses_bad_pipeline_layouts_in_one_line(flags, message, capsys):
     assert plan_cli.main(argv + flags) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distlm.plan: error: " + message), lines
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pp-degree", "0"], "--pp-degree must be at least 1, got 0"),  # was a ZeroDivisionError
+    (["--tp-degree", "0"], "--tp-degree must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # was read as the default 16
+    (["--bucket-cap-mb", "nan"], "--bucket-cap-mb must be a finite number, got nan"),
+])
+def test_cli_refuses_in_distlm_train_s_words_what_it_refuses(flags, message, capsys):
+    assert plan_cli.main(["--arch", "llama_tiny", "--cluster", "local", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"distlm.plan: error: {message}"]
+    assert train_main(["--arch", "llama_tiny", "--device", "cpu", "--no-save", *flags]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"distlm: error: {message}"]
+
+
+def test_cli_names_a_single_block_in_the_singular(tmp_path, capsys):
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert plan_cli.main(["--arch", str(tmp_path / "config.json"), "--cluster", "local", "--pp-degree", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "distlm.plan: error: --pp-degree 2 x 1 stages per rank exceeds the model's 1 block; lower --pp-degree"]

@@ -94,7 +94,8 @@ def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str)
     stages = degree * per_rank
     if stages > len(blocks):
         raise UsageError(f"--pp-degree {degree} x --pp-stages-per-rank {per_rank} = {stages} stages, but {name} "
-                         f"has {len(blocks)} blocks; use at most {len(blocks)} stages")
+                         f"has {len(blocks)} block{'s' if len(blocks) != 1 else ''}; use at most {len(blocks)} "
+                         f"stage{'s' if len(blocks) != 1 else ''}")
     schedule = options.schedule
     if schedule == "zbv" and per_rank != 2:
         raise UsageError(f"--pp-schedule zbv runs exactly 2 stages per rank; set --pp-stages-per-rank 2 "
@@ -147,7 +148,8 @@ def parse_split(text: str, stages: int, blocks: int) -> list[range]:
             raise UsageError(f"--pp-split {text!r}: the ranges must be non-empty and follow each other from 0")
         position = stage.stop
     if position != blocks:
-        raise UsageError(f"--pp-split {text!r} ends at block {position}, but the model has {blocks} blocks")
+        raise UsageError(f"--pp-split {text!r} ends at block {position}, "
+                         f"but the model has {blocks} block{'s' if blocks != 1 else ''}")
     return ranges
 
 

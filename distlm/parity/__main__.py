@@ -12,6 +12,8 @@ The reference takes the global batch as ``--update-freq`` x dp micro-batches of
 On one machine each layout is a ``torchrun --standalone`` of its world size; inside an
 allocation (torchrun, srun, mpiexec) every layout runs on the allocation's ranks, which
 must be its world size, and rank 0 runs the reference as a process of its own first.
+On one machine a layout may start at most ``--max-ranks`` processes (default: twice the
+cores this process may run on); a layout needing more is refused before anything starts.
 
 ``--out`` receives parity.json, parity.md (the table) and each run's recordings. The
 exit status is 0 when every layout equals the reference within its tolerance, 1 when
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from distlm.backends.hardware import host_cores
 from distlm.config import OneLineErrorParser, parse_args as parse_train_args
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
@@ -42,6 +45,10 @@ REFERENCE = "reference"
 _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
+# Processes per core a layout may start on one machine by default: two ranks a core still
+# finish a few updates of a small model, while every rank also holds its own torch (hundreds
+# of MB), so many more exhaust the memory before they are slow.
+RANKS_PER_CORE = 2
 
 
 def build_parser() -> OneLineErrorParser:
@@ -55,6 +62,9 @@ def build_parser() -> OneLineErrorParser:
                         help="also compare every top-level module's and block's output and input gradient")
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FUNCTION",
                         help="train the model this function returns (it meets distlm's model contract)")
+    parser.add_argument("--max-ranks", type=int, default=None, metavar="N",
+                        help=f"most processes a layout may start on this machine (default: {RANKS_PER_CORE} per "
+                             "core); inside a launch the launcher's ranks run every layout")
     return parser
 
 
@@ -63,6 +73,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args, train_flags = build_parser().parse_known_args(list(argv))
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.max_ranks is not None and args.max_ranks < 1:
+        raise UsageError(f"--max-ranks must be at least 1, got {args.max_ranks}")
     for flag in ("--max-update", "--save-dir", "--restore-file", "--num-workers", "--double-buffering"):
         if any(item == flag or item.startswith(flag + "=") for item in train_flags):
             raise UsageError(f"{flag} is set by the parity run itself (or is a layout key); drop it")
@@ -77,6 +89,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if len(set(names)) != len(names) or REFERENCE in names:
         raise UsageError("two layouts are the same; give each once")
     return args, train_flags
+
+
+def check_rank_limit(layouts: list[Layout], max_ranks: int | None) -> None:
+    """Refuse a layout that would start more processes on this machine than ``max_ranks``
+    (default RANKS_PER_CORE per core)."""
+    cores = host_cores()
+    limit = RANKS_PER_CORE * cores if max_ranks is None else max_ranks
+    for layout in layouts:
+        if layout.world_size > limit:
+            default = f" ({RANKS_PER_CORE} per core x {cores} cores)" if max_ranks is None else ""
+            raise UsageError(f"layout {layout.text!r} starts {layout.world_size} processes, more than the limit of "
+                             f"{limit}{default}; lower its degrees, or raise the limit with --max-ranks "
+                             f"{layout.world_size}")
 
 
 def run_flags(train_flags: list[str], steps: int) -> list[str]:
@@ -204,7 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for layout in args.layouts:
             check_layout(layout, flags)
         env = ClusterEnv.detect()
-        if env.launcher != "single":
+        if env.launcher == "single":
+            check_rank_limit(args.layouts, args.max_ranks)
+        else:
             wrong = [layout.text for layout in args.layouts if layout.world_size != env.world_size]
             if wrong:
                 raise UsageError(f"inside a launch of {env.world_size} ranks every layout runs on them; "

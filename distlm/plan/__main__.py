@@ -18,15 +18,14 @@ import json
 import sys
 from typing import Sequence
 
-from distlm.choices import PP_SCHEDULES
+from distlm.choices import COMM_HOOKS, PP_SCHEDULES, STRATEGIES
+from distlm.config import check_shared_settings
 from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.models.flops import count_parameters, flops_per_token, model_shape
 from distlm.plan.model import (
     ALLREDUCE_ALGORITHMS,
-    COMM_HOOKS,
     GIB,
-    STRATEGIES,
     Projection,
     Workload,
     available_clusters,
@@ -171,6 +170,8 @@ def format_table(rows: list[Projection]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        # Flags named as distlm.train's mean what they mean there, within the same bounds.
+        check_shared_settings(vars(args))
         rows, header = plan(args)
     except UsageError as exc:
         print(f"distlm.plan: error: {exc}", file=sys.stderr)

@@ -54,8 +54,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import (COLLECTIVES, COMM_HOOKS, PP_LOOPED_SCHEDULES, PP_SCHEDULES, PROFILE_DEVICE_TYPES,
-                            STRATEGIES, comm_hook_wire_dtype, pp_microbatches)
+from distlm.choices import COLLECTIVES, PP_LOOPED_SCHEDULES, PROFILE_DEVICE_TYPES, comm_hook_wire_dtype, pp_microbatches
+from distlm.config import check_shared_settings
 from distlm.errors import UsageError
 from distlm.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
@@ -1032,8 +1032,6 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
 
 def validate_pipeline(workload: Workload, layout: Layout) -> None:
     """Refuse the pipeline layouts distlm.train refuses (one line each)."""
-    if layout.pp < 1:
-        raise UsageError(f"--pp-degree must be at least 1, got {layout.pp}")
     if layout.world % (layout.tp * layout.pp):
         raise UsageError(
             f"--pp-degree {layout.pp} x --tp-degree {layout.tp} does not divide the world size {layout.world}; "
@@ -1041,8 +1039,6 @@ def validate_pipeline(workload: Workload, layout: Layout) -> None:
         )
     if layout.pp == 1 or workload.stage is not None:  # a stage's own projection: checked for the whole
         return
-    if workload.pp_schedule not in PP_SCHEDULES:
-        raise UsageError(f"--pp-schedule {workload.pp_schedule} is unknown; choose one of {', '.join(PP_SCHEDULES)}")
     v, m = stages_per_rank(workload), pipeline_microbatches(workload, layout)
     looped = workload.pp_schedule in PP_LOOPED_SCHEDULES
     if looped and v < 2:
@@ -1055,8 +1051,8 @@ def validate_pipeline(workload: Workload, layout: Layout) -> None:
         raise UsageError(f"--pp-schedule zbv runs 2 stages per rank in a V; drop --pp-stages-per-rank {v}")
     blocks = workload.shape.n_layers
     if layout.pp * v > blocks:
-        raise UsageError(f"--pp-degree {layout.pp} x {v} stages per rank exceeds the model's {blocks} blocks; "
-                         "lower --pp-degree")
+        raise UsageError(f"--pp-degree {layout.pp} x {v} stages per rank exceeds the model's {blocks} "
+                         f"block{'s' if blocks != 1 else ''}; lower --pp-degree")
     if m < layout.pp:
         raise UsageError(f"--pp-microbatches {m} is below --pp-degree {layout.pp}; the pipeline would never fill")
     if workload.batch_size % m:
@@ -1158,21 +1154,19 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
 def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
     """Refuse what distlm itself would refuse, and layouts the model cannot describe."""
     s = workload.shape
-    if workload.strategy not in STRATEGIES:
-        raise UsageError(f"--strategy {workload.strategy} is unknown; choose one of {', '.join(STRATEGIES)}")
-    if workload.comm_hook not in COMM_HOOKS:
-        raise UsageError(f"--comm-hook {workload.comm_hook} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+    check_shared_settings({
+        "strategy": workload.strategy, "comm_hook": workload.comm_hook, "pp_schedule": workload.pp_schedule,
+        "tokens_per_sample": workload.tokens_per_sample, "batch_size": workload.batch_size,
+        "update_freq": workload.update_freq, "bucket_cap_mb": workload.bucket_cap_mb, "tp_degree": layout.tp,
+        "pp_degree": layout.pp, "pp_microbatches": workload.pp_microbatches,
+        "pp_stages_per_rank": workload.pp_stages_per_rank,
+    })
     if workload.allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
         raise UsageError(
             f"--allreduce-algorithm {workload.allreduce_algorithm} is unknown; "
             f"choose one of {', '.join(ALLREDUCE_ALGORITHMS)}"
         )
     dtype_name(workload.precision)
-    for name in ("tokens_per_sample", "batch_size", "update_freq"):
-        if getattr(workload, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(workload, name)}")
-    if workload.bucket_cap_mb <= 0:
-        raise UsageError(f"--bucket-cap-mb must be positive, got {workload.bucket_cap_mb}")
     if workload.tokens_per_sample > s.max_positions:
         raise UsageError(
             f"--tokens-per-sample {workload.tokens_per_sample} exceeds the model's {s.max_positions} positions; "
@@ -1191,7 +1185,7 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
         )
     if layout.nodes < 1 or layout.ranks_per_node < 1:
         raise UsageError(f"nodes and ranks per node must be at least 1, got {layout.nodes} x {layout.ranks_per_node}")
-    if layout.tp < 1 or layout.ranks_per_node % layout.tp:
+    if layout.ranks_per_node % layout.tp:
         raise UsageError(
             f"--tp-degree {layout.tp} must divide the {layout.ranks_per_node} ranks of a node "
             "(tensor parallel stays inside a node)"
@@ -1240,6 +1234,8 @@ def resolve_batch(
     reads them; a global batch is split over the data-parallel replicas."""
     if global_batch_size is None:
         return batch_size or 16, update_freq or 1
+    if global_batch_size < 1:
+        raise UsageError(f"--global-batch-size must be at least 1, got {global_batch_size}")
     per_replica, rest = divmod(global_batch_size, dp)
     if rest or per_replica == 0:
         raise UsageError(f"--global-batch-size {global_batch_size} does not split over {dp} data-parallel replicas")
