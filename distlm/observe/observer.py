@@ -28,6 +28,7 @@ from distlm.observe.profiler import ProfileWindow, parse_profile_steps
 from distlm.observe.stragglers import StepTiming
 from distlm.observe.trackers import Trackers, check_tracker_packages
 from distlm.run_record import RUN_JSON, run_json, write_run_json
+from distlm.signals import StoppedBeforeTraining, StopSignals
 
 logger = logging.getLogger("distlm")
 
@@ -71,9 +72,9 @@ class Observer:
         self.trackers = Trackers()
         self.log_file: Path | None = None
 
-    def start(self, resumed_at: int | None) -> Observer:
+    def start(self, resumed_at: int | None, stop: StopSignals | None = None) -> Observer:
         """Open the outlets (stdout; on rank 0 also run.json, trackers, --log-file); the observer then
-        logs as the ``Printer`` does."""
+        logs as the ``Printer`` does. ``stop``: the run's stop signals, which end a tracker's start-up."""
         settings = self.config.logging
         self.printer = Printer(settings.log_format, self.config.optim.max_update or None, self.ctx.is_main)
         if self.ctx.is_main and not self.config.checkpoint.no_save:
@@ -87,12 +88,34 @@ class Observer:
             except OSError as err:
                 logger.warning("%s: not written (%s); training goes on without it", directory / RUN_JSON,
                                err.strerror or err)
-        if self.ctx.is_main:
-            self.trackers = Trackers.open(self.config, self.saved_ids, resumed_at)
-            self.saved_ids.update(self.trackers.run_ids())
-            if self.config.logging.log_file is not None:
-                self.log_file = Path(self.config.logging.log_file)
+        self._open_trackers(resumed_at, stop)
+        if self.ctx.is_main and self.config.logging.log_file is not None:
+            self.log_file = Path(self.config.logging.log_file)
         return self
+
+    def _open_trackers(self, resumed_at: int | None, stop: StopSignals | None) -> None:
+        """Rank 0 starts the trackers, and every rank learns whether they started: a refusal is
+        rank 0's one line on every rank, not a failed collective on the others."""
+        settings = self.config.logging
+        if not any((settings.tensorboard_logdir, settings.wandb_project, settings.mlflow_tracking_uri)):
+            return
+        refusal = None
+        if self.ctx.is_main:
+            try:
+                self.trackers = Trackers.open(self.config, self.saved_ids, resumed_at, stop)
+                self.saved_ids.update(self.trackers.run_ids())
+            except UsageError as err:
+                refusal = str(err)
+        if self.ctx.is_distributed:
+            try:
+                refusal = self.ctx.all_gather_object(refusal)[0]
+            except RuntimeError:
+                # Rank 0 left while its trackers started, after the stop signal every rank got.
+                if stop is not None and stop.received:
+                    raise StoppedBeforeTraining(next(iter(stop.received))) from None
+                raise
+        if refusal is not None:
+            raise UsageError(refusal)
 
     # ------------------------------------------------------------ the printer's calls
 
