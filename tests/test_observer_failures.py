@@ -147,7 +147,8 @@ def test_unreachable_tracker_is_one_line_within_the_request_timeout(which, cause
     returned = time.monotonic()
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("distlm")]
     assert code == 2
-    assert len(err) == 1 and err[0].startswith(f"distlm: error: --mlflow-tracking-uri {uri}: mlflow could not start ("), err
+    assert len(err) == 1, err
+    assert err[0].startswith(f"distlm: error: --mlflow-tracking-uri {uri}: mlflow could not start (")
     assert cause in err[0] and err[0].endswith("check it, or add --tracker-best-effort to train without it")
     if which == "silent":
         # MLflow's own defaults (120 s a try, 7 retries) held this call for many minutes.
