@@ -306,6 +306,8 @@ class LoggingConfig:
     """The run's name in W&B and MLflow (default: theirs)."""
     mlflow_tracking_uri: str | None = None
     """Log to this MLflow tracking server or store, e.g. file:/path/mlruns (extra: trackers)."""
+    tracker_best_effort: bool = False
+    """A tracker that cannot start is a warning and the run goes on without it (default: one line, exit 2)."""
     profile_steps: str | None = None
     """A:B: record updates A to B with torch.profiler on every rank (one Chrome trace per rank)."""
     profile_dir: str | None = None

@@ -96,11 +96,17 @@ def run_json(config: dict[str, Any], launch: dict[str, Any], device: torch.devic
 
 
 def write_run_json(directory: Path, record: dict[str, Any]) -> Path:
-    """``directory/run.json``, replaced whole (written aside, then renamed)."""
+    """``directory/run.json``, replaced whole (written aside, then renamed); OSError if it cannot
+    be, with nothing left aside."""
     directory.mkdir(parents=True, exist_ok=True)
     path, partial = directory / RUN_JSON, directory / (RUN_JSON + ".partial")
-    partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    partial.replace(path)
+    try:
+        partial.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        partial.replace(path)
+    except OSError:
+        if partial.is_file():
+            partial.unlink()
+        raise
     return path
 
 

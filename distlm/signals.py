@@ -44,6 +44,16 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+class StoppedBeforeTraining(Exception):
+    """A stop signal arrived while the run was still starting (a tracker's start-up): the run
+    ends at once, as there is nothing to save yet."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"{self.name} before training started; nothing saved")
+
+
 class StopSignals:
     """Records the stop signals this process receives while installed."""
 

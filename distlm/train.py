@@ -17,7 +17,7 @@ from distlm.distributed import CollectiveFailure, shutdown
 from distlm.divergence import DivergenceError
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.parallel.replicas import ReplicaDrift
-from distlm.signals import exit_status
+from distlm.signals import StoppedBeforeTraining, exit_status
 from distlm.trainer import Trainer
 
 
@@ -42,6 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_main:
             print("distlm: SIGINT before training started; nothing saved", file=sys.stderr, flush=True)
         return exit_status(signal.SIGINT)
+    except StoppedBeforeTraining as exc:
+        # A stop signal while a tracker started (the Trainer had taken the signals over).
+        if is_main:
+            print(f"distlm: {exc}", file=sys.stderr, flush=True)
+        return exit_status(exc.signum)
     except UsageError as exc:
         return report_usage_error("distlm: error: ", exc, rank)
     except DivergenceError as exc:

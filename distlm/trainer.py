@@ -148,7 +148,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
-        printer = self.observer.start(self.resumed_at)  # logs as the Printer does, and to the trackers
+        printer = self.observer.start(self.resumed_at, self.stop)  # logs as the Printer does, and to trackers
         # A pipeline stage keeps the whole model's config, so its FLOPs per token are the
         # model's: global tokens times those, over every device's peak, as without stages.
         stats = TrainStats(self.ctx.device, *mfu_inputs(

@@ -5,6 +5,10 @@ trackers; every rank times its updates for the straggler fields and runs the pro
 window. The trainer calls ``next_batch``, ``update`` (around an update), ``computing``
 and ``waiting_for_peers`` (inside it), ``interval_fields`` (when a train line is due)
 and logs through the observer as it would through the printer.
+
+Observers never end a run: a write that fails (--log-file, run.json, a trace; a full disk
+included) is one warning and that output is off; the paths are checked before anything
+starts instead, where a refusal costs nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +27,8 @@ from distlm.metrics import Printer
 from distlm.observe.profiler import ProfileWindow, parse_profile_steps
 from distlm.observe.stragglers import StepTiming
 from distlm.observe.trackers import Trackers, check_tracker_packages
-from distlm.run_record import run_json, write_run_json
+from distlm.run_record import RUN_JSON, run_json, write_run_json
+from distlm.signals import StoppedBeforeTraining, StopSignals
 
 logger = logging.getLogger("distlm")
 
@@ -30,7 +36,8 @@ PROFILE_DIR = "profiles"
 
 
 def check_observe_settings(config: TrainConfig) -> None:
-    """Before anything starts: tracker packages installed, --profile-steps well formed."""
+    """Before anything starts: tracker packages installed, --profile-steps well formed, --log-file
+    and --profile-dir writable."""
     check_tracker_packages(config.logging)
     if config.logging.profile_steps is not None:
         parse_profile_steps(config.logging.profile_steps)
@@ -41,6 +48,15 @@ def check_observe_settings(config: TrainConfig) -> None:
             path.open("a").close()
         except OSError as err:
             raise UsageError(f"--log-file {path}: cannot append to it ({err.strerror})") from None
+    if config.logging.profile_dir is not None:  # every rank writes its own trace there
+        directory = Path(config.logging.profile_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".distlm-probe-"):
+                pass
+        except OSError as err:
+            raise UsageError(f"--profile-dir {directory}: cannot write there ({err.strerror or err}); "
+                             "give a writable directory") from None
 
 
 class Observer:
@@ -56,23 +72,50 @@ class Observer:
         self.trackers = Trackers()
         self.log_file: Path | None = None
 
-    def start(self, resumed_at: int | None) -> Observer:
+    def start(self, resumed_at: int | None, stop: StopSignals | None = None) -> Observer:
         """Open the outlets (stdout; on rank 0 also run.json, trackers, --log-file); the observer then
-        logs as the ``Printer`` does."""
+        logs as the ``Printer`` does. ``stop``: the run's stop signals, which end a tracker's start-up."""
         settings = self.config.logging
         self.printer = Printer(settings.log_format, self.config.optim.max_update or None, self.ctx.is_main)
         if self.ctx.is_main and not self.config.checkpoint.no_save:
-            write_run_json(Path(self.config.checkpoint.save_dir), run_json(self.config.to_dict(), {
-                "launcher": self.ctx.env.launcher, "world_size": self.ctx.world_size,
-                "nodes": self.ctx.env.num_nodes, "ranks_per_node": self.ctx.env.local_world_size,
-                "layout": self.ctx.layout, "strategy": self.config.distributed.strategy,
-                "resumed_at": resumed_at}, self.ctx.device))
-        if self.ctx.is_main:
-            self.trackers = Trackers.open(self.config, self.saved_ids, resumed_at)
-            self.saved_ids.update(self.trackers.run_ids())
-            if self.config.logging.log_file is not None:
-                self.log_file = Path(self.config.logging.log_file)
+            directory = Path(self.config.checkpoint.save_dir)
+            try:
+                write_run_json(directory, run_json(self.config.to_dict(), {
+                    "launcher": self.ctx.env.launcher, "world_size": self.ctx.world_size,
+                    "nodes": self.ctx.env.num_nodes, "ranks_per_node": self.ctx.env.local_world_size,
+                    "layout": self.ctx.layout, "strategy": self.config.distributed.strategy,
+                    "resumed_at": resumed_at}, self.ctx.device))
+            except OSError as err:
+                logger.warning("%s: not written (%s); training goes on without it", directory / RUN_JSON,
+                               err.strerror or err)
+        self._open_trackers(resumed_at, stop)
+        if self.ctx.is_main and self.config.logging.log_file is not None:
+            self.log_file = Path(self.config.logging.log_file)
         return self
+
+    def _open_trackers(self, resumed_at: int | None, stop: StopSignals | None) -> None:
+        """Rank 0 starts the trackers, and every rank learns whether they started: a refusal is
+        rank 0's one line on every rank, not a failed collective on the others."""
+        settings = self.config.logging
+        if not any((settings.tensorboard_logdir, settings.wandb_project, settings.mlflow_tracking_uri)):
+            return
+        refusal = None
+        if self.ctx.is_main:
+            try:
+                self.trackers = Trackers.open(self.config, self.saved_ids, resumed_at, stop)
+                self.saved_ids.update(self.trackers.run_ids())
+            except UsageError as err:
+                refusal = str(err)
+        if self.ctx.is_distributed:
+            try:
+                refusal = self.ctx.all_gather_object(refusal)[0]
+            except RuntimeError:
+                # Rank 0 left while its trackers started, after the stop signal every rank got.
+                if stop is not None and stop.received:
+                    raise StoppedBeforeTraining(next(iter(stop.received))) from None
+                raise
+        if refusal is not None:
+            raise UsageError(refusal)
 
     # ------------------------------------------------------------ the printer's calls
 
@@ -86,8 +129,14 @@ class Observer:
         self.trackers.log(record, kind)
         if self.log_file is not None:
             # Opened per line: the summary comes after close(), and a crash loses no line.
-            with self.log_file.open("a") as file:
-                file.write(self.printer.line(record, kind) + "\n")
+            try:
+                with self.log_file.open("a") as file:
+                    file.write(self.printer.line(record, kind) + "\n")
+            except OSError as err:
+                logger.warning("--log-file %s: cannot write (%s); training goes on without it", self.log_file,
+                               err.strerror or err)
+                self.log_file = None
+                return
             if kind == "summary" and self.printer.format != "simple":  # distlm.report reads JSON lines
                 logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(self.log_file)),
                             shlex.quote(str(self.log_file.parent / "report")))

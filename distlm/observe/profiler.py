@@ -66,7 +66,8 @@ class ProfileWindow:
             if not self.memory_snapshot:
                 raise
             path = self._dump_memory(f"oom_rank{self.rank}_update{number}")
-            raise torch.OutOfMemoryError(f"{first_line(err)} (memory snapshot: {path})") from None
+            snapshot = f" (memory snapshot: {path})" if path is not None else ""
+            raise torch.OutOfMemoryError(f"{first_line(err)}{snapshot}") from None
         if self.profiler is not None and number >= self.window[1]:
             self.stop()
 
@@ -83,9 +84,14 @@ class ProfileWindow:
             return
         profiler, self.profiler = self.profiler, None
         profiler.stop()
-        self.directory.mkdir(parents=True, exist_ok=True)
         trace = self.directory / f"rank{self.rank}.json"
-        profiler.export_chrome_trace(str(trace))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            # Python's writer: the default (Kineto's) says nothing when it cannot write the file.
+            profiler.export_chrome_trace(str(trace), use_python_export=True)
+        except OSError as err:
+            logger.warning("profile of updates %d-%d: %s not written (%s); training goes on without it",
+                           *self.window, trace, err.strerror or err)
         if self.memory_snapshot:
             self._dump_memory(f"memory_rank{self.rank}")
         if self.rank == 0:
@@ -94,8 +100,13 @@ class ProfileWindow:
             logger.info("profile of updates %d-%d: one trace per rank in %s (chrome://tracing, ui.perfetto.dev); "
                         "top operators by self time:\n%s", *self.window, self.directory, table)
 
-    def _dump_memory(self, name: str) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def _dump_memory(self, name: str) -> Path | None:
+        """The allocator's history in ``name``.pickle; None (and a warning) if it cannot be written."""
         path = self.directory / f"{name}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(str(path))
+        except OSError as err:
+            logger.warning("memory snapshot %s not written (%s)", path, err.strerror or err)
+            return None
         return path

@@ -4,8 +4,17 @@ Rank 0 alone writes. Each log record becomes numbers tagged ``train/<key>`` or
 ``valid/<subset>/<key>`` with the update number as the step, the values of the JSON
 line unchanged. A resumed run continues the same TensorBoard directory (events after
 the checkpoint's update are purged, so no update appears twice) and the same W&B and
-MLflow runs, whose ids the checkpoint keeps. A tracker that fails during the run is
-reported once and dropped; training goes on.
+MLflow runs, whose ids the checkpoint keeps.
+
+A tracker is a guest of the training loop: every call into one runs on a thread of its
+own, and the training thread waits for it a bounded time (``START_FINISH_SEC`` to start
+or finish, ``LOG_SEC`` to log a line), so a server that refuses, or accepts and never
+answers, cannot hold the run. MLflow's requests time out after ``MLFLOW_REQUEST_SEC``,
+without its retries (its defaults, 7 retries and 120 s per try, held a call for many
+minutes). A tracker that cannot start is one line and exit status 2, or with
+``--tracker-best-effort`` one warning and the run goes on without it; a stop signal while
+one starts ends the run at once. A tracker that fails during the run, on its call or on a
+thread of its own, is one warning and dropped; training goes on.
 """
 
 from __future__ import annotations
@@ -13,13 +22,27 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import threading
 import time
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 from distlm.config import LoggingConfig, TrainConfig
-from distlm.errors import UsageError
+from distlm.errors import UsageError, first_line
+from distlm.signals import StoppedBeforeTraining, StopSignals
 
 logger = logging.getLogger("distlm")
+
+START_FINISH_SEC = 60.0
+"""The longest the training thread waits for one tracker to start or to finish: W&B starts a
+service process, MLflow makes a few requests (at most MLFLOW_REQUEST_SEC each)."""
+LOG_SEC = 10.0
+"""The longest the training thread waits for one tracker to take one log line."""
+MLFLOW_REQUEST_SEC = 5
+"""MLflow's HTTP timeout per request, with no retries (MLflow's environment variables set
+so, unless the user set them)."""
+_POLL_SEC = 0.1
+"""How often a wait looks for a stop signal."""
 
 # flag -> (config field, module it imports)
 _PACKAGES = {
@@ -102,6 +125,13 @@ class MlflowTracker:
             # mlflow package, which the trackers extra does not bring.
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
             logger.info("mlflow: using the file store %s (MLFLOW_ALLOW_FILE_STORE=true)", uri)
+        if uri.startswith(("http:", "https:")):
+            for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"),
+                                ("MLFLOW_HTTP_REQUEST_TIMEOUT", str(MLFLOW_REQUEST_SEC))):
+                os.environ.setdefault(name, value)
+            logger.info("mlflow: %s, requests time out after %s s, %s retries (MLFLOW_HTTP_REQUEST_TIMEOUT, "
+                        "MLFLOW_HTTP_REQUEST_MAX_RETRIES)", uri, os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"],
+                        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -145,31 +175,79 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+class _TimedOut(Exception):
+    pass
+
+
+def _deepest_cause(err: BaseException) -> str:
+    """``Type: first line`` of the innermost library error under ``err``: an HTTP client's
+    wrappers hide what happened ("Max retries exceeded" over "Connection refused" or "Read
+    timed out"), and the OS error under it has lost the address."""
+    seen, found = {id(err)}, err
+    while True:
+        inner = getattr(err, "reason", None)
+        inner = inner if isinstance(inner, BaseException) else err.__cause__ or err.__context__
+        if inner is None or id(inner) in seen:
+            return f"{type(found).__name__}: {first_line(found)}"
+        seen.add(id(inner))
+        err = inner
+        if type(err).__module__ != "builtins":
+            found = err
+
+
 class Trackers:
     """The trackers of one run (rank 0); each failure is one warning and drops that tracker."""
 
-    def __init__(self, trackers: list | None = None):
+    def __init__(self, trackers: list | None = None, stop: StopSignals | None = None):
         self.trackers = list(trackers or [])
+        self.stop = stop
+        self._threads: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
+        """Threads the trackers started (during a call into them) -> the tracker's name."""
+        self._in_flight: tuple[str, set[threading.Thread]] | None = None
+        """The tracker being called now, and the threads that ran before the call."""
+        self._thread_errors: dict[str, BaseException] = {}
+        self._previous_hook: Callable | None = None
 
     @classmethod
-    def open(cls, config: TrainConfig, saved_ids: dict[str, str], resumed_at: int | None) -> Trackers:
+    def open(cls, config: TrainConfig, saved_ids: dict[str, str], resumed_at: int | None,
+             stop: StopSignals | None = None) -> Trackers:
+        """Start the trackers asked for, each within START_FINISH_SEC. One that cannot start is
+        a UsageError (a warning with --tracker-best-effort); a stop signal meanwhile is
+        StoppedBeforeTraining."""
         settings, whole = config.logging, config.to_dict()
         wanted = []
         if settings.tensorboard_logdir is not None:
-            wanted.append(("tensorboard", lambda: TensorBoardTracker(settings.tensorboard_logdir, resumed_at)))
+            wanted.append(("--tensorboard-logdir", lambda: TensorBoardTracker(settings.tensorboard_logdir, resumed_at)))
         if settings.wandb_project is not None:
-            wanted.append(("wandb", lambda: WandbTracker(
+            wanted.append(("--wandb-project", lambda: WandbTracker(
                 settings.wandb_project, settings.wandb_run_name, saved_ids.get("wandb"), whole)))
         if settings.mlflow_tracking_uri is not None:
-            wanted.append(("mlflow", lambda: MlflowTracker(
+            wanted.append(("--mlflow-tracking-uri", lambda: MlflowTracker(
                 settings.mlflow_tracking_uri, settings.wandb_run_name, saved_ids.get("mlflow"), whole)))
-        trackers = []
-        for name, start in wanted:
+        opened = cls(stop=stop)
+        if wanted:
+            opened._catch_thread_errors()
+        for flag, start in wanted:
+            field, name = _PACKAGES[flag]  # the package's name is the tracker's
             try:
-                trackers.append(start())
-            except Exception as err:  # noqa: BLE001 - an unreachable server must not stop training
-                logger.warning("%s could not start (%s: %s); training goes on without it", name, type(err).__name__, err)
-        return cls(trackers)
+                tracker = opened._call(name, start, timeout=START_FINISH_SEC)
+            except StoppedBeforeTraining:
+                opened._release_thread_errors()  # and no waiting for the others to finish: the run ends now
+                raise
+            except Exception as err:  # noqa: BLE001 - whatever the package raises, the user gets one line
+                reason = (f"no answer within {START_FINISH_SEC:g} s" if isinstance(err, _TimedOut)
+                          else _deepest_cause(err))
+                where = f"{flag} {getattr(settings, field)}"
+                if settings.tracker_best_effort:
+                    logger.warning("%s: %s could not start (%s); training goes on without it (--tracker-best-effort)",
+                                   where, name, reason)
+                    continue
+                opened.close()
+                raise UsageError(f"{where}: {name} could not start ({reason}); check it, or add --tracker-best-effort "
+                                 "to train without it") from None
+            opened.trackers.append(tracker)
+            opened._drop_failed_threads()
+        return opened
 
     def run_ids(self) -> dict[str, str]:
         """What a resumed run needs to continue the same runs (saved in the checkpoint)."""
@@ -178,16 +256,91 @@ class Trackers:
     def log(self, record: dict[str, Any], kind: str) -> None:
         tags = record_tags(record, kind)
         if tags and "update" in record:
-            self._each("log", tags, int(record["update"]))
+            self._each("log", LOG_SEC, tags, int(record["update"]))
 
     def close(self) -> None:
-        self._each("close")
+        self._each("close", START_FINISH_SEC)
+        self.trackers = []
+        self._release_thread_errors()
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, method: str, timeout: float, *args: Any) -> None:
+        self._drop_failed_threads()
         for tracker in list(self.trackers):
             try:
-                getattr(tracker, method)(*args)
-            except Exception as err:  # noqa: BLE001 - a dashboard must never stop training
+                self._call(tracker.name, getattr(tracker, method), *args, timeout=timeout)
+            except StoppedBeforeTraining as stopped:
                 self.trackers.remove(tracker)
-                logger.warning("%s failed (%s: %s); training goes on without it",
-                               tracker.name, type(err).__name__, err)
+                logger.warning("%s: not waited for after %s; the run stops without it", tracker.name, stopped.name)
+            except _TimedOut:
+                self._drop(tracker, f"no answer within {timeout:g} s")
+            except Exception as err:  # noqa: BLE001 - a dashboard must never stop training
+                self._drop(tracker, f"{type(err).__name__}: {first_line(err)}")
+        self._drop_failed_threads()
+
+    def _drop(self, tracker: Any, reason: str) -> None:
+        if tracker in self.trackers:
+            self.trackers.remove(tracker)
+            logger.warning("%s failed (%s); training goes on without it", tracker.name, reason)
+
+    def _call(self, name: str, function: Callable, *args: Any, timeout: float) -> Any:
+        """``function(*args)`` on a thread of its own; the caller waits at most ``timeout``
+        seconds (_TimedOut), and no longer than a stop signal that arrives meanwhile
+        (StoppedBeforeTraining; one that had arrived before is waited through: the run is
+        stopping, and a tracker may still take its last lines)."""
+        stopping_already = self.stop is None or bool(self.stop.received)
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = function(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        caller = threading.Thread(target=run, name=f"distlm-{name}", daemon=True)
+        self._in_flight = (name, set(threading.enumerate()) | {caller})
+        deadline = time.monotonic() + timeout
+        caller.start()
+        try:
+            while not done.wait(_POLL_SEC):
+                if not stopping_already and self.stop.received:
+                    raise StoppedBeforeTraining(next(iter(self.stop.received)))
+                if time.monotonic() >= deadline:
+                    raise _TimedOut()
+        finally:
+            for thread in set(threading.enumerate()) - self._in_flight[1]:
+                self._threads[thread] = name
+            self._in_flight = None
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    # ------------------------------------------------------------ the trackers' own threads
+
+    def _catch_thread_errors(self) -> None:
+        """An exception that ends a thread a tracker started becomes that tracker's one
+        warning instead of a traceback on stderr (threading.excepthook, for those threads only)."""
+        self._previous_hook = threading.excepthook
+        threading.excepthook = self._hook
+
+    def _release_thread_errors(self) -> None:
+        if self._previous_hook is not None and threading.excepthook == self._hook:
+            threading.excepthook = self._previous_hook
+
+    def _hook(self, args: threading.ExceptHookArgs) -> None:
+        name = self._threads.get(args.thread) if args.thread is not None else None
+        in_flight = self._in_flight
+        if name is None and in_flight is not None and args.thread not in in_flight[1]:
+            name = in_flight[0]
+        if name is None:
+            self._previous_hook(args)
+        else:
+            self._thread_errors.setdefault(name, args.exc_value)
+
+    def _drop_failed_threads(self) -> None:
+        for tracker in list(self.trackers):
+            err = self._thread_errors.get(tracker.name)
+            if err is not None:
+                self._drop(tracker, f"{type(err).__name__}: {first_line(err)}")
