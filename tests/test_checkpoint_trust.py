@@ -270,6 +270,51 @@ def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys,
     assert not out.exists()
 
 
+def test_a_linked_checkpoint_last_is_replaced_and_what_a_killed_save_left_is_removed(tmp_path, monkeypatch):
+    """checkpoint_last made a link to checkpoint_2 by hand: a save replaces the link, never
+    what it leads to, and leaves nothing beside it. Killed between stepping the link aside
+    and removing it, the save leaves .replaced-checkpoint_last, which the next start removes."""
+    def complete(path: Path, tag: str) -> None:
+        path.mkdir()
+        for name in (".metadata", "distlm.json", "__0_0.distcp"):
+            (path / name).write_text(tag)
+
+    second, replaced = checkpoint.numbered(2), f".replaced-{checkpoint.LAST}"
+    complete(tmp_path / second, "update 2")
+    (tmp_path / checkpoint.LAST).symlink_to(second)
+    complete(directory.incomplete(tmp_path, checkpoint.LAST), "update 4")
+    directory.commit(tmp_path, checkpoint.LAST)
+    assert sorted(os.listdir(tmp_path)) == [second, checkpoint.LAST]
+    assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "update 4"
+    assert (tmp_path / second / "distlm.json").read_text() == "update 2"
+
+    (tmp_path / checkpoint.LAST).replace(tmp_path / "update-4")
+    (tmp_path / checkpoint.LAST).symlink_to(second)
+    complete(directory.incomplete(tmp_path, checkpoint.LAST), "update 6")
+    renames, rename = [], os.rename
+
+    def rename_then_killed(source, target):
+        rename(source, target)
+        renames.append(target)
+        if len(renames) == 2:  # the new checkpoint is in place, the link stepped aside
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename_then_killed)
+        with pytest.raises(KeyboardInterrupt):
+            directory.commit(tmp_path, checkpoint.LAST)
+    assert (tmp_path / replaced).is_symlink()
+    assert directory.recover(tmp_path) == [f"removed {replaced}"]
+    assert sorted(os.listdir(tmp_path)) == [second, checkpoint.LAST, "update-4"]
+    assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "update 6"
+    assert (tmp_path / second / "distlm.json").read_text() == "update 2"
+    # Stepped aside with nothing put in its place, the link is the checkpoint to restore.
+    shutil.rmtree(tmp_path / checkpoint.LAST)
+    (tmp_path / replaced).symlink_to(second)
+    assert directory.recover(tmp_path) == [f"restored {checkpoint.LAST} from an interrupted save"]
+    assert os.readlink(tmp_path / checkpoint.LAST) == second
+
+
 # ------------------------------------------------------------ one owner per save dir
 
 
