@@ -5,6 +5,9 @@ that checks the model and names changed settings.
 One small model (tests/fixtures/checkpoint_33fbac2: 3,120 parameters, its own data)
 serves every check; its runs are shared through the module fixture ``runs``. What needs
 two ranks (a flipped byte) runs in test_checkpoint.py's 2-rank job.
+
+A crafted checkpoint here has its checksums rewritten to match, as whoever crafts one
+can: checksums are not signatures, so the reading itself must refuse.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from distlm import checkpoint, export
-from distlm.checkpoint import CheckpointReader, directory, storage
+from distlm.checkpoint import CheckpointReader, directory, integrity, storage
 from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
 from distlm.config import parse_args
 from distlm.errors import UsageError
@@ -150,18 +153,34 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
+def rewrite_checksums(path: Path) -> None:
+    """Record every file of the checkpoint directory ``path`` as it now is, as a save records them."""
+    meta = json.loads((path / "distlm.json").read_text())
+    names = [str(file.relative_to(path)) for file in sorted(path.rglob("*")) if file.is_file()]
+    meta["files"] = integrity.digests(path, [name for name in names if name != "distlm.json"])
+    (path / "distlm.json").write_text(json.dumps(meta))
+
+
 def crafted_checkpoints(source: Path, root: Path, marker: Path) -> dict[str, Path]:
-    """Save dirs whose checkpoint_last carries code: in DCP's .metadata, and in a weight
-    marked as a non-tensor entry (which DCP reads with torch.load(weights_only=False)).
-    Their checksums are removed, as an attacker would: the reading itself must refuse."""
+    """Save dirs whose checkpoint_last carries code: in DCP's .metadata, in a weight marked
+    as a non-tensor entry (which DCP reads with torch.load(weights_only=False)), and in the
+    record of a tensor entry (read with weights_only=True, whose refusal is torch's text
+    in terminal colours), as a pickle of protocol 2 and of the default protocol."""
     crafted = {}
-    for kind in ("metadata", "bytes-entry"):
+    for kind in ("metadata", "bytes-entry", "tensor-entry", "tensor-entry-framed"):
         path = root / kind / checkpoint.LAST
         shutil.copytree(source, path)
-        meta = json.loads((path / "distlm.json").read_text())
-        del meta["files"]
-        (path / "distlm.json").write_text(json.dumps(meta))
-        if kind == "metadata":
+        if kind.startswith("tensor-entry"):
+            with open(path / ".metadata", "rb") as f:
+                metadata = pickle.load(f)  # written by this test's own save
+            key = "model.tok_embeddings.weight"
+            # Padded to the bytes the tensor's shape needs: a shorter record is refused unread.
+            payload = pickle.dumps(Payload(marker), protocol=2 if kind == "tensor-entry" else None) + bytes(4096)
+            (path / "__9_0.distcp").write_bytes(payload)
+            metadata.storage_data = {index: _StorageInfo("__9_0.distcp", 0, len(payload)) if index.fqn == key else info
+                                     for index, info in metadata.storage_data.items()}
+            (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        elif kind == "metadata":
             (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
         else:
             with open(path / ".metadata", "rb") as f:
@@ -173,6 +192,7 @@ def crafted_checkpoints(source: Path, root: Path, marker: Path) -> dict[str, Pat
             (path / "__9_0.distcp").write_bytes(payload)
             metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
             (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        rewrite_checksums(path)
         crafted[kind] = path
     return crafted
 
@@ -188,6 +208,13 @@ def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs,
         torch.load(io.BytesIO((crafted["bytes-entry"] / "__9_0.distcp").read_bytes()), weights_only=False)
     assert marker.exists()
     marker.unlink()
+    with pytest.raises(RuntimeError, match="magic number"):
+        torch.load(io.BytesIO((crafted["tensor-entry"] / "__9_0.distcp").read_bytes()), weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    named = {"metadata": str(crafted["metadata"] / ".metadata"), "bytes-entry": str(crafted["bytes-entry"] / ".metadata"),
+             "tensor-entry": "it holds a Python object, exec, that only code could rebuild; distlm never runs it",
+             "tensor-entry-framed": "it holds a pickle that torch's weights-only unpickler refuses; distlm never runs code"}
     for kind, path in crafted.items():
         attempts = {
             "resume": lambda: run_main(tiny_args(path.parent, 6), capsys),
@@ -201,7 +228,9 @@ def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs,
         for name, attempt in attempts.items():
             code, lines = attempt()
             assert code == 2 and len(lines) == 1, (kind, name, lines)
-            assert str(path / ".metadata") in lines[0], (kind, name, lines)
+            assert named[kind] in lines[0], (kind, name, lines)
+            # Neither torch's terminal colours nor its advice to load with weights_only=False.
+            assert "\x1b" not in lines[0] and "weights_only" not in lines[0], (kind, name, lines)
             assert not marker.exists(), (kind, name)
     assert not (tmp_path / "out.safetensors").exists()
 

@@ -328,7 +328,7 @@ class Checkpointer:
             with _single_process_quiet():
                 storage.load(templates, path, no_dist=not self.ctx.is_distributed)
         except dcp.CheckpointException as err:
-            raise UsageError(f"{path}: cannot be read ({_cause_line(err)})") from None
+            raise UsageError(f"{path}: cannot be read ({storage.read_failure(err)})") from None
         for key, state in templates.items():
             states[key].load_state_dict(state)
         return set(templates)
@@ -634,7 +634,7 @@ def _save_failure(err: BaseException, save_dir: Path) -> str:
         stats = os.statvfs(save_dir)
         if stats.f_bavail * stats.f_frsize < _LOW_SPACE_BYTES:
             return f"{os.strerror(errno.ENOSPC)} ({stats.f_bavail * stats.f_frsize} bytes free)"
-    return _cause_line(err)
+    return storage.cause_line(err)
 
 
 # A failed write that leaves less free space than this is taken for a full disk.
@@ -645,13 +645,3 @@ def _is_enospc(err: BaseException) -> bool:
     if isinstance(err, OSError):
         return err.errno == errno.ENOSPC
     return "No space left on device" in str(err) or f"Errno {errno.ENOSPC}" in str(err)
-
-
-def _cause_line(err: BaseException) -> str:
-    """The line that names the error: DCP wraps each rank's exception in a
-    CheckpointException whose text carries the whole traceback before it."""
-    text = str(err).strip()
-    for line in text.splitlines():
-        if "Error" in line and ":" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(err).__name__

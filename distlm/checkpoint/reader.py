@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from distlm.checkpoint import directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
-from distlm.errors import UsageError, first_line
+from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
 
@@ -129,9 +130,12 @@ class CheckpointReader:
                 storage.load(state, self.path, no_dist=True)
         except UsageError:
             raise
-        except Exception as err:  # noqa: BLE001 - DCP reports a vanished or cut file as anything
+        # DCP reports a vanished or cut file as anything, wrapped in a CheckpointException,
+        # which is not an Exception.
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
             self.check_unchanged()
-            raise UsageError(f"{self.path}: cannot be read ({first_line(err)}); the checkpoint is damaged") from None
+            raise UsageError(
+                f"{self.path}: cannot be read ({storage.read_failure(err)}); the checkpoint is damaged") from None
         self.check_unchanged()
         return state
 

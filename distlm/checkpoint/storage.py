@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,32 @@ def check_shards_present(path: Path, metadata: Metadata) -> None:
         raise UsageError(f"{path} lacks shard {missing[0]} (of {len(files)}); the checkpoint is incomplete")
 
 
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def cause_line(err: BaseException) -> str:
+    """The line that names an error of torch's, without terminal escape codes: DCP wraps each
+    rank's exception in a CheckpointException whose text carries the whole traceback before it."""
+    text = _TERMINAL_CODES.sub("", str(err)).strip()
+    for line in text.splitlines():
+        if "Error" in line and ":" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_failure(err: BaseException) -> str:
+    """Why torch could not read checkpoint data, in one plain line. torch's own text for a
+    refused Python object spans lines, carries terminal escape codes, and suggests loading
+    with weights_only=False, which would run whatever code the checkpoint holds."""
+    text = _TERMINAL_CODES.sub("", str(err))
+    refused = re.search(r"GLOBAL (\S+)", text)
+    if refused:
+        return f"it holds a Python object, {refused.group(1)}, that only code could rebuild; distlm never runs it"
+    if "Weights only load failed" in text:
+        return "it holds a pickle that torch's weights-only unpickler refuses; distlm never runs code from a checkpoint"
+    return cause_line(err)
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader with the restricted metadata unpickler."""
 
@@ -117,7 +144,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as err:  # noqa: BLE001 - whatever the restricted unpickler refuses
-            raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is not plain data ({first_line(err)}); "
+            raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is not plain data ({read_failure(err)}); "
                              "distlm runs no code from a checkpoint") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
