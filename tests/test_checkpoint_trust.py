@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -33,6 +34,8 @@ from distlm import checkpoint, export
 from distlm.checkpoint import CheckpointReader, directory, integrity, storage
 from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
 from distlm.config import parse_args
+from distlm.data.indexed_dataset import write_indexed_dataset
+from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -80,16 +83,28 @@ class Tag:
         self.note = state["note"]
 
 
+def byte_level_data(root: Path) -> str:
+    """A data directory whose dictionary is byte-level, so that a save writes tokenizer files."""
+    root.mkdir()
+    byte_dictionary().save(root / "dict.txt")
+    rng = np.random.default_rng(0)
+    write_indexed_dataset(str(root / "train"), [np.append(rng.integers(4, 260, size=12), 2) for _ in range(16)],
+                          np.uint16)
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """root/straight: 4 updates (checkpoint_2, checkpoint_4); root/old: the fixture's
     checkpoint of update 2, written by commit 33fbac2, resumed to 4 with two states registered;
-    root/two-layers: 2 updates of the model with 2 layers (checkpoint_1, checkpoint_2)."""
+    root/two-layers: 2 updates of the model with 2 layers (checkpoint_1, checkpoint_2);
+    root/bytes: 1 update on byte-level data (its checkpoint holds tokenizer files, root/bytes-data)."""
     root = tmp_path_factory.mktemp("trust")
     fit(tiny_args(root / "straight", 4, ["--save-interval-updates", "2"]))
     shutil.copytree(FIXTURE / "save", root / "old")
     states = {"counter": Counter(), "tag": Tag()}
-    trainer = Trainer(parse_args(tiny_args(root / "old", 4)), states=states)
+    # Written before checksums were recorded, it is read only when told not to verify.
+    trainer = Trainer(parse_args(tiny_args(root / "old", 4, ["--no-verify-checkpoint"])), states=states)
     assert trainer.resumed_at == 2
     # The old checkpoint holds neither: they keep what they had.
     assert torch.equal(states["counter"].total, torch.zeros(3)) and states["tag"].note == "fresh"
@@ -97,6 +112,7 @@ def runs(tmp_path_factory) -> Path:
     states["tag"].note = "resumed once"
     trainer.fit()
     fit(tiny_args(root / "two-layers", 2, ["--decoder-layers", "2", "--save-interval-updates", "1"]))
+    fit(tiny_args(root / "bytes", 1, ["--data", byte_level_data(root / "bytes-data")]))
     return root
 
 
@@ -123,7 +139,7 @@ def never_trains(monkeypatch):
 def test_a_checkpoint_of_the_previous_release_resumes_exactly(runs):
     """The fixture (commit 33fbac2's code) holds what this code writes at update 2, and
     resumed from it the run ends where the straight one does, bit for bit."""
-    old = CheckpointReader(FIXTURE / "save")
+    old = CheckpointReader(FIXTURE / "save", verify=False)  # it records no checksums
     new = CheckpointReader(runs / "straight" / checkpoint.numbered(2))
     assert old.keys() == new.keys()
     for key in new.keys():
@@ -272,8 +288,63 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoi
     with caplog.at_level(logging.INFO, logger="distlm"):
         assert Trainer(parse_args(tiny_args(intact, 6, ["--no-verify-checkpoint"]))).resumed_at == 4
         assert export.main(["--checkpoint", str(intact), "--out", str(out), "--no-verify-checkpoint"]) == 0
-    said = [r.getMessage() for r in caplog.records if "checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
-    assert len(said) == 2, said
+    said = [r.getMessage() for r in caplog.records
+            if f"{intact / checkpoint.LAST}: checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
+    assert len(said) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in said), said
+
+
+def test_the_checksums_list_every_file_the_save_wrote_and_nothing_else_is_read(runs, tmp_path, capsys, caplog,
+                                                                               never_trains):
+    """The table lists DCP's shards and metadata and the tokenizer files. A table missing or
+    empty (a tool that rewrote distlm.json, a checkpoint from before checksums) or a file the
+    save did not write (added_tokens.json, which transformers would read) ends resume and
+    export in one line; only --no-verify-checkpoint reads such a checkpoint, and says so."""
+    saved = runs / "bytes" / checkpoint.LAST
+    files = json.loads((saved / "distlm.json").read_text())["files"]
+    shards = storage.shard_files(storage.read_metadata(saved))
+    tokenizer = [f"tokenizer/{path.name}" for path in (saved / "tokenizer").iterdir()]
+    assert shards and tokenizer and set(files) == {".metadata", *shards, *tokenizer}, files
+
+    def copy(name: str, source: Path = saved) -> Path:
+        path = tmp_path / name / checkpoint.LAST
+        shutil.copytree(source, path)
+        return path
+
+    def with_files(name: str, files: dict | None) -> Path:
+        path = copy(name)
+        meta = json.loads((path / "distlm.json").read_text())
+        if files is None:
+            del meta["files"]
+        else:
+            meta["files"] = files
+        (path / "distlm.json").write_text(json.dumps(meta))
+        return path
+
+    added = copy("added")
+    (added / "tokenizer" / "added_tokens.json").write_text('{"<extra>": 300}')
+    old = copy("old-release", FIXTURE / "save" / checkpoint.LAST)
+    cases = {
+        with_files("missing", None): "distlm.json: 'files' is missing, so its files cannot be verified",
+        with_files("empty", {}): "distlm.json: 'files' is empty, so its files cannot be verified",
+        added: f"{added / 'tokenizer' / 'added_tokens.json'} is not among the files its save wrote",
+        old: "distlm.json: 'files' is missing, so its files cannot be verified",
+    }
+    for path, problem in cases.items():
+        data = [] if path == old else ["--data", str(runs / "bytes-data")]
+        for name, attempt in {
+            "resume": lambda: run_main(tiny_args(path.parent, 6, data), capsys),
+            "export --out": lambda: run_export(["--checkpoint", str(path), "--out", str(tmp_path / "out.safetensors")],
+                                               capsys),
+            "export --hf": lambda: run_export(["--checkpoint", str(path), "--hf", str(tmp_path / "hf")], capsys),
+        }.items():
+            code, lines = attempt()
+            assert code == 2 and len(lines) == 1, (path, name, lines)
+            assert problem in lines[0] and "--no-verify-checkpoint" in lines[0], (path, name, lines)
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "hf").exists()
+    with caplog.at_level(logging.WARNING, logger="distlm"):
+        assert export.main(["--checkpoint", str(added), "--hf", str(tmp_path / "hf"), "--no-verify-checkpoint"]) == 0
+    assert (tmp_path / "hf" / "added_tokens.json").is_file()
+    assert f"{added}: checksums not verified (--no-verify-checkpoint)" in caplog.messages
 
 
 def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys, monkeypatch):

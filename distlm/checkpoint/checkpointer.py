@@ -362,18 +362,22 @@ class Checkpointer:
         return {name: template[name] for name in shared if name in template}
 
     def _verify(self, path: Path, meta: dict[str, Any]) -> None:
-        """Every file against the checksums the save recorded, each rank a share (collective)."""
-        files = integrity.recorded_files(meta, path)
-        if files is None or self.settings.no_verify_checkpoint:
+        """Every file against the checksums the save recorded, each rank a share, and no file
+        there that the save did not write (collective)."""
+        if self.settings.no_verify_checkpoint:
             if self.ctx.is_main:
-                logger.info("%s: checksums not verified (%s)", path, "--no-verify-checkpoint" if files is not None
-                            else "the checkpoint was written before checksums were recorded")
+                logger.warning("%s: checksums not verified (--no-verify-checkpoint)", path)
             return
+        files = integrity.recorded_files(meta, path)
         names = sorted(files)[self.ctx.rank::self.ctx.world_size]
-        problems = [problem for problem in self.ctx.all_gather_object(integrity.verify(path, files, names))
-                    if problem is not None]
+        problem = integrity.verify(path, files, names)
+        if problem is not None:
+            problem = f"{problem}; {integrity.remedy(path, meta)}"
+        elif self.ctx.is_main:
+            problem = integrity.unlisted(path, files)
+        problems = [problem for problem in self.ctx.all_gather_object(problem) if problem is not None]
         if problems:
-            raise UsageError(f"{problems[0]}; {integrity.remedy(path, meta)}")
+            raise UsageError(problems[0])
 
     # ------------------------------------------------------------------- save
 

@@ -4,8 +4,9 @@
 ``checkpoint_last``) or a file of the old single-file format. Tensors are read whole
 from whatever shards hold them: one at a time for export, which so holds one tensor and
 never the optimizer's; all at once for ``load`` (tests, small tools), which reads them
-in one pass. Opening verifies every file against the checksums the save recorded, and
-every read checks that the directory is still the one opened: a run that replaces it
+in one pass. Opening verifies every file against the checksums the save recorded (and
+that the save wrote every file there), and every read checks that the directory is still
+the one opened: a run that replaces it
 meanwhile (``checkpoint_last`` at its next save) would otherwise mix two updates.
 """
 
@@ -65,13 +66,16 @@ class CheckpointReader:
             elif key.startswith("model."):
                 storage.refuse_non_tensor(self.path, key)
         storage.check_shards_present(self.path, metadata)
-        files = integrity.recorded_files(self.meta, self.path)
-        if files is not None and verify:
+        if verify:
+            files = integrity.recorded_files(self.meta, self.path)
             problem = integrity.verify(self.path, files)
             if problem is not None:
                 raise UsageError(f"{problem}; {integrity.remedy(self.path, self.meta, exporting=True)}")
-        elif not verify:
-            logger.info("%s: checksums not verified (--no-verify-checkpoint)", self.path)
+            problem = integrity.unlisted(self.path, files)
+            if problem is not None:
+                raise UsageError(problem)
+        else:
+            logger.warning("%s: checksums not verified (--no-verify-checkpoint)", self.path)
         self.check_unchanged()
 
     def check_unchanged(self) -> None:
