@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -345,6 +346,53 @@ def test_the_checksums_list_every_file_the_save_wrote_and_nothing_else_is_read(r
         assert export.main(["--checkpoint", str(added), "--hf", str(tmp_path / "hf"), "--no-verify-checkpoint"]) == 0
     assert (tmp_path / "hf" / "added_tokens.json").is_file()
     assert f"{added}: checksums not verified (--no-verify-checkpoint)" in caplog.messages
+
+
+def test_a_crafted_shape_is_refused_before_anything_is_allocated(runs, tmp_path, capsys, monkeypatch, never_trains):
+    """A weight's shape in .metadata made 64 TiB, its checksum rewritten: export ends in one
+    line without allocating anything larger than the model, as resume does. A shape with the
+    bytes the shards hold but not the model distlm.json describes is refused by resume's own
+    comparison of names and shapes."""
+    key = "model.tok_embeddings.weight"
+
+    def crafted(name: str, shape: list[int]) -> Path:
+        path = tmp_path / name / checkpoint.LAST
+        shutil.copytree(runs / "straight" / checkpoint.LAST, path)
+        with open(path / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # written by this test's own save
+        assert list(metadata.state_dict_metadata[key].size) == [16, 16]
+        metadata.state_dict_metadata[key].size = torch.Size(shape)
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        rewrite_checksums(path)
+        return path
+
+    huge, reshaped = crafted("huge", [1 << 22, 1 << 22]), crafted("reshaped", [32, 8])
+    expected = {
+        huge: f"{huge / '.metadata'} gives {key} the shape [4194304, 4194304], 70,368,744,177,664 bytes, but its "
+              "shards hold 2,601 bytes of it",
+        reshaped: f"{reshaped} does not hold the model its distlm.json describes: tok_embeddings.weight is [32, 8] "
+                  "in the checkpoint, [16, 16] in the model built",
+    }
+    requested = []
+    allocate = torch.empty
+
+    def empty(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        requested.append(math.prod(shape))  # before the allocation, which 64 TiB would not survive
+        return allocate(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    for path, problem in expected.items():
+        for flag, target in (("--out", tmp_path / "out.safetensors"), ("--hf", tmp_path / "hf")):
+            code, lines = run_export(["--checkpoint", str(path), flag, str(target)], capsys)
+            assert code == 2 and len(lines) == 1, (path, flag, lines)
+            assert problem in lines[0], (path, flag, lines)
+            assert not target.exists()
+    # The largest request is the model's own rotary table (2048 positions x 4), built on the meta device.
+    assert max(requested) <= 2048 * 4, max(requested)
+    code, lines = run_main(tiny_args(huge.parent, 6), capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert "tok_embeddings.weight is [4194304, 4194304] in the checkpoint, [16, 16] in the model built" in lines[0]
 
 
 def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys, monkeypatch):
