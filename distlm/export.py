@@ -24,7 +24,7 @@ from typing import Sequence
 from distlm.checkpoint import CheckpointReader
 from distlm.errors import OneLineErrorParser, UsageError
 from distlm.export_target import check_file_target
-from distlm.hf_export import export_hf
+from distlm.hf_export import checked_model_config, export_hf
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, TensorSpec, write_safetensors_file
 
 
@@ -33,6 +33,7 @@ def export(checkpoint_path: str, out: str, verify: bool = True, overwrite: bool 
     check_file_target(target, "--out", overwrite)
     try:
         reader = CheckpointReader(checkpoint_path, verify=verify)
+        checked_model_config(reader)
     except UsageError as err:
         raise UsageError(f"--checkpoint {err}") from None
     meta = reader.meta
@@ -55,9 +56,11 @@ def export(checkpoint_path: str, out: str, verify: bool = True, overwrite: bool 
         target.parent.mkdir(parents=True, exist_ok=True)
         write_safetensors_file(partial, specs, lambda name: reader.tensor(f"model.{name}"), metadata)
         os.replace(partial, target)
-    except (OSError, ValueError) as exc:
+    except BaseException as exc:  # a checkpoint that cannot be read, a write that fails, an interrupt
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
+        if not isinstance(exc, (OSError, ValueError)):
+            raise
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise UsageError(f"--out {out}: cannot write ({reason})") from None
     return target

@@ -16,9 +16,9 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import shutil
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -80,7 +80,7 @@ def staged_directory(out: Path, flag: str, source: dict[str, Any]) -> Iterator[P
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned_stages(out)
-        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
+        stage = _new_stage(out)
     except OSError as err:
         raise UsageError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
     try:
@@ -93,6 +93,19 @@ def staged_directory(out: Path, flag: str, source: dict[str, Any]) -> Iterator[P
         raise UsageError(f"{flag} {out}: cannot write ({err.strerror or err})") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)  # after the exchange: the previous export
+
+
+def _new_stage(out: Path) -> Path:
+    """A new empty directory ``.<out>.<pid>.<random>.partial`` beside ``out``, made with the
+    mode the umask gives, which the export keeps when it becomes ``out`` (tempfile.mkdtemp's
+    0700 would keep teammates out of every export)."""
+    while True:
+        stage = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+        try:
+            stage.mkdir()
+            return stage
+        except FileExistsError:
+            continue
 
 
 def _remove_abandoned_stages(out: Path) -> None:

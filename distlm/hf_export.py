@@ -10,17 +10,42 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from distlm.checkpoint import TOKENIZER_DIR, CheckpointReader
-from distlm.errors import UsageError
+from distlm.checkpoint.directory import META_FILE
+from distlm.errors import UsageError, first_line
 from distlm.export_target import check_directory_target, copy_regular_files, staged_directory
-from distlm.models.hf import SpecialTokens, write_hf_directory
+from distlm.models.hf import SpecialTokens, adapter_for, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
 from distlm.models.registry import FAMILY_CONFIGS
 
 logger = logging.getLogger("distlm")
+
+
+def checked_model_config(reader: CheckpointReader) -> Any | None:
+    """The config of the distlm model a checkpoint holds, None for a model of the user's own.
+
+    The shapes of the checkpoint's weights are checked against the model it describes
+    (built on the meta device) before any weight is read, as a resume checks them
+    against the model it built: checksums are not signatures, and an export allocates
+    each tensor from the shape the metadata gives it.
+    """
+    family, model_config = reader.meta.get("family"), reader.meta.get("model_config")
+    if family not in FAMILY_CONFIGS or model_config is None:
+        return None
+    try:
+        config = FAMILY_CONFIGS[family](**model_config)
+        with torch.device("meta"):
+            built = adapter_for(config).model_class(config).state_dict()
+    except (TypeError, ValueError, ArithmeticError) as err:
+        raise UsageError(f"{reader.path / META_FILE}: model_config does not describe a {family} model "
+                         f"({first_line(err)}); the checkpoint is damaged") from None
+    reader.check_model({name: tuple(tensor.shape) for name, tensor in built.items()},
+                       f"its {META_FILE} describes")
+    return config
 
 
 def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
@@ -36,14 +61,13 @@ def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_
     check_directory_target(out, "--hf", overwrite)
     reader = CheckpointReader(checkpoint_path, verify=verify)
     meta = reader.meta
-    family, model_config = meta.get("family"), meta.get("model_config")
-    if family not in FAMILY_CONFIGS or model_config is None:
+    config = checked_model_config(reader)
+    if config is None:
         raise UsageError(
             f"--checkpoint {reader.path} holds a {meta.get('arch')} model with no Hugging Face layout "
             "(distlm exports its Llama and RoBERTa models; a checkpoint of an older release lacks the model "
             "config: resume it once and save again)"
         )
-    config = FAMILY_CONFIGS[family](**model_config)
     names = reader.model_names()
     shapes = {name: reader.tensor_spec(f"model.{name}") for name in names}
     meta_tensors = {name: torch.empty(size, dtype=dtype, device="meta") for name, (size, dtype) in shapes.items()}

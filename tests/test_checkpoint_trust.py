@@ -5,6 +5,9 @@ that checks the model and names changed settings.
 One small model (tests/fixtures/checkpoint_33fbac2: 3,120 parameters, its own data)
 serves every check; its runs are shared through the module fixture ``runs``. What needs
 two ranks (a flipped byte) runs in test_checkpoint.py's 2-rank job.
+
+A crafted checkpoint here has its checksums rewritten to match, as whoever crafts one
+can: checksums are not signatures, so the reading itself must refuse.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -21,15 +25,18 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from distlm import checkpoint, export
-from distlm.checkpoint import CheckpointReader, directory, storage
+from distlm.checkpoint import CheckpointReader, directory, integrity, storage
 from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
 from distlm.config import parse_args
+from distlm.data.indexed_dataset import write_indexed_dataset
+from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -77,16 +84,28 @@ class Tag:
         self.note = state["note"]
 
 
+def byte_level_data(root: Path) -> str:
+    """A data directory whose dictionary is byte-level, so that a save writes tokenizer files."""
+    root.mkdir()
+    byte_dictionary().save(root / "dict.txt")
+    rng = np.random.default_rng(0)
+    write_indexed_dataset(str(root / "train"), [np.append(rng.integers(4, 260, size=12), 2) for _ in range(16)],
+                          np.uint16)
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """root/straight: 4 updates (checkpoint_2, checkpoint_4); root/old: the fixture's
     checkpoint of update 2, written by commit 33fbac2, resumed to 4 with two states registered;
-    root/two-layers: 2 updates of the model with 2 layers (checkpoint_1, checkpoint_2)."""
+    root/two-layers: 2 updates of the model with 2 layers (checkpoint_1, checkpoint_2);
+    root/bytes: 1 update on byte-level data (its checkpoint holds tokenizer files, root/bytes-data)."""
     root = tmp_path_factory.mktemp("trust")
     fit(tiny_args(root / "straight", 4, ["--save-interval-updates", "2"]))
     shutil.copytree(FIXTURE / "save", root / "old")
     states = {"counter": Counter(), "tag": Tag()}
-    trainer = Trainer(parse_args(tiny_args(root / "old", 4)), states=states)
+    # Written before checksums were recorded, it is read only when told not to verify.
+    trainer = Trainer(parse_args(tiny_args(root / "old", 4, ["--no-verify-checkpoint"])), states=states)
     assert trainer.resumed_at == 2
     # The old checkpoint holds neither: they keep what they had.
     assert torch.equal(states["counter"].total, torch.zeros(3)) and states["tag"].note == "fresh"
@@ -94,6 +113,7 @@ def runs(tmp_path_factory) -> Path:
     states["tag"].note = "resumed once"
     trainer.fit()
     fit(tiny_args(root / "two-layers", 2, ["--decoder-layers", "2", "--save-interval-updates", "1"]))
+    fit(tiny_args(root / "bytes", 1, ["--data", byte_level_data(root / "bytes-data")]))
     return root
 
 
@@ -120,7 +140,7 @@ def never_trains(monkeypatch):
 def test_a_checkpoint_of_the_previous_release_resumes_exactly(runs):
     """The fixture (commit 33fbac2's code) holds what this code writes at update 2, and
     resumed from it the run ends where the straight one does, bit for bit."""
-    old = CheckpointReader(FIXTURE / "save")
+    old = CheckpointReader(FIXTURE / "save", verify=False)  # it records no checksums
     new = CheckpointReader(runs / "straight" / checkpoint.numbered(2))
     assert old.keys() == new.keys()
     for key in new.keys():
@@ -150,18 +170,34 @@ class Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
 
 
+def rewrite_checksums(path: Path) -> None:
+    """Record every file of the checkpoint directory ``path`` as it now is, as a save records them."""
+    meta = json.loads((path / "distlm.json").read_text())
+    names = [str(file.relative_to(path)) for file in sorted(path.rglob("*")) if file.is_file()]
+    meta["files"] = integrity.digests(path, [name for name in names if name != "distlm.json"])
+    (path / "distlm.json").write_text(json.dumps(meta))
+
+
 def crafted_checkpoints(source: Path, root: Path, marker: Path) -> dict[str, Path]:
-    """Save dirs whose checkpoint_last carries code: in DCP's .metadata, and in a weight
-    marked as a non-tensor entry (which DCP reads with torch.load(weights_only=False)).
-    Their checksums are removed, as an attacker would: the reading itself must refuse."""
+    """Save dirs whose checkpoint_last carries code: in DCP's .metadata, in a weight marked
+    as a non-tensor entry (which DCP reads with torch.load(weights_only=False)), and in the
+    record of a tensor entry (read with weights_only=True, whose refusal is torch's text
+    in terminal colours), as a pickle of protocol 2 and of the default protocol."""
     crafted = {}
-    for kind in ("metadata", "bytes-entry"):
+    for kind in ("metadata", "bytes-entry", "tensor-entry", "tensor-entry-framed"):
         path = root / kind / checkpoint.LAST
         shutil.copytree(source, path)
-        meta = json.loads((path / "distlm.json").read_text())
-        del meta["files"]
-        (path / "distlm.json").write_text(json.dumps(meta))
-        if kind == "metadata":
+        if kind.startswith("tensor-entry"):
+            with open(path / ".metadata", "rb") as f:
+                metadata = pickle.load(f)  # written by this test's own save
+            key = "model.tok_embeddings.weight"
+            # Padded to the bytes the tensor's shape needs: a shorter record is refused unread.
+            payload = pickle.dumps(Payload(marker), protocol=2 if kind == "tensor-entry" else None) + bytes(4096)
+            (path / "__9_0.distcp").write_bytes(payload)
+            metadata.storage_data = {index: _StorageInfo("__9_0.distcp", 0, len(payload)) if index.fqn == key else info
+                                     for index, info in metadata.storage_data.items()}
+            (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        elif kind == "metadata":
             (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
         else:
             with open(path / ".metadata", "rb") as f:
@@ -173,6 +209,7 @@ def crafted_checkpoints(source: Path, root: Path, marker: Path) -> dict[str, Pat
             (path / "__9_0.distcp").write_bytes(payload)
             metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
             (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        rewrite_checksums(path)
         crafted[kind] = path
     return crafted
 
@@ -188,6 +225,13 @@ def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs,
         torch.load(io.BytesIO((crafted["bytes-entry"] / "__9_0.distcp").read_bytes()), weights_only=False)
     assert marker.exists()
     marker.unlink()
+    with pytest.raises(RuntimeError, match="magic number"):
+        torch.load(io.BytesIO((crafted["tensor-entry"] / "__9_0.distcp").read_bytes()), weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+    named = {"metadata": str(crafted["metadata"] / ".metadata"), "bytes-entry": str(crafted["bytes-entry"] / ".metadata"),
+             "tensor-entry": "it holds a Python object, exec, that only code could rebuild; distlm never runs it",
+             "tensor-entry-framed": "it holds a pickle that torch's weights-only unpickler refuses; distlm never runs code"}
     for kind, path in crafted.items():
         attempts = {
             "resume": lambda: run_main(tiny_args(path.parent, 6), capsys),
@@ -201,7 +245,9 @@ def test_no_code_in_a_checkpoint_runs_on_resume_restore_finetune_or_export(runs,
         for name, attempt in attempts.items():
             code, lines = attempt()
             assert code == 2 and len(lines) == 1, (kind, name, lines)
-            assert str(path / ".metadata") in lines[0], (kind, name, lines)
+            assert named[kind] in lines[0], (kind, name, lines)
+            # Neither torch's terminal colours nor its advice to load with weights_only=False.
+            assert "\x1b" not in lines[0] and "weights_only" not in lines[0], (kind, name, lines)
             assert not marker.exists(), (kind, name)
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -243,8 +289,110 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoi
     with caplog.at_level(logging.INFO, logger="distlm"):
         assert Trainer(parse_args(tiny_args(intact, 6, ["--no-verify-checkpoint"]))).resumed_at == 4
         assert export.main(["--checkpoint", str(intact), "--out", str(out), "--no-verify-checkpoint"]) == 0
-    said = [r.getMessage() for r in caplog.records if "checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
-    assert len(said) == 2, said
+    said = [r.getMessage() for r in caplog.records
+            if f"{intact / checkpoint.LAST}: checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
+    assert len(said) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in said), said
+
+
+def test_the_checksums_list_every_file_the_save_wrote_and_nothing_else_is_read(runs, tmp_path, capsys, caplog,
+                                                                               never_trains):
+    """The table lists DCP's shards and metadata and the tokenizer files. A table missing or
+    empty (a tool that rewrote distlm.json, a checkpoint from before checksums) or a file the
+    save did not write (added_tokens.json, which transformers would read) ends resume and
+    export in one line; only --no-verify-checkpoint reads such a checkpoint, and says so."""
+    saved = runs / "bytes" / checkpoint.LAST
+    files = json.loads((saved / "distlm.json").read_text())["files"]
+    shards = storage.shard_files(storage.read_metadata(saved))
+    tokenizer = [f"tokenizer/{path.name}" for path in (saved / "tokenizer").iterdir()]
+    assert shards and tokenizer and set(files) == {".metadata", *shards, *tokenizer}, files
+
+    def copy(name: str, source: Path = saved) -> Path:
+        path = tmp_path / name / checkpoint.LAST
+        shutil.copytree(source, path)
+        return path
+
+    def with_files(name: str, files: dict | None) -> Path:
+        path = copy(name)
+        meta = json.loads((path / "distlm.json").read_text())
+        if files is None:
+            del meta["files"]
+        else:
+            meta["files"] = files
+        (path / "distlm.json").write_text(json.dumps(meta))
+        return path
+
+    added = copy("added")
+    (added / "tokenizer" / "added_tokens.json").write_text('{"<extra>": 300}')
+    old = copy("old-release", FIXTURE / "save" / checkpoint.LAST)
+    cases = {
+        with_files("missing", None): "distlm.json: 'files' is missing, so its files cannot be verified",
+        with_files("empty", {}): "distlm.json: 'files' is empty, so its files cannot be verified",
+        added: f"{added / 'tokenizer' / 'added_tokens.json'} is not among the files its save wrote",
+        old: "distlm.json: 'files' is missing, so its files cannot be verified",
+    }
+    for path, problem in cases.items():
+        data = [] if path == old else ["--data", str(runs / "bytes-data")]
+        for name, attempt in {
+            "resume": lambda: run_main(tiny_args(path.parent, 6, data), capsys),
+            "export --out": lambda: run_export(["--checkpoint", str(path), "--out", str(tmp_path / "out.safetensors")],
+                                               capsys),
+            "export --hf": lambda: run_export(["--checkpoint", str(path), "--hf", str(tmp_path / "hf")], capsys),
+        }.items():
+            code, lines = attempt()
+            assert code == 2 and len(lines) == 1, (path, name, lines)
+            assert problem in lines[0] and "--no-verify-checkpoint" in lines[0], (path, name, lines)
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "hf").exists()
+    with caplog.at_level(logging.WARNING, logger="distlm"):
+        assert export.main(["--checkpoint", str(added), "--hf", str(tmp_path / "hf"), "--no-verify-checkpoint"]) == 0
+    assert (tmp_path / "hf" / "added_tokens.json").is_file()
+    assert f"{added}: checksums not verified (--no-verify-checkpoint)" in caplog.messages
+
+
+def test_a_crafted_shape_is_refused_before_anything_is_allocated(runs, tmp_path, capsys, monkeypatch, never_trains):
+    """A weight's shape in .metadata made 64 TiB, its checksum rewritten: export ends in one
+    line without allocating anything larger than the model, as resume does. A shape with the
+    bytes the shards hold but not the model distlm.json describes is refused by resume's own
+    comparison of names and shapes."""
+    key = "model.tok_embeddings.weight"
+
+    def crafted(name: str, shape: list[int]) -> Path:
+        path = tmp_path / name / checkpoint.LAST
+        shutil.copytree(runs / "straight" / checkpoint.LAST, path)
+        with open(path / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # written by this test's own save
+        assert list(metadata.state_dict_metadata[key].size) == [16, 16]
+        metadata.state_dict_metadata[key].size = torch.Size(shape)
+        (path / ".metadata").write_bytes(pickle.dumps(metadata))
+        rewrite_checksums(path)
+        return path
+
+    huge, reshaped = crafted("huge", [1 << 22, 1 << 22]), crafted("reshaped", [32, 8])
+    expected = {
+        huge: f"{huge / '.metadata'} gives {key} the shape [4194304, 4194304], 70,368,744,177,664 bytes, but its "
+              "shards hold 2,601 bytes of it",
+        reshaped: f"{reshaped} does not hold the model its distlm.json describes: tok_embeddings.weight is [32, 8] "
+                  "in the checkpoint, [16, 16] in the model built",
+    }
+    requested = []
+    allocate = torch.empty
+
+    def empty(*size, **kwargs):
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        requested.append(math.prod(shape))  # before the allocation, which 64 TiB would not survive
+        return allocate(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    for path, problem in expected.items():
+        for flag, target in (("--out", tmp_path / "out.safetensors"), ("--hf", tmp_path / "hf")):
+            code, lines = run_export(["--checkpoint", str(path), flag, str(target)], capsys)
+            assert code == 2 and len(lines) == 1, (path, flag, lines)
+            assert problem in lines[0], (path, flag, lines)
+            assert not target.exists()
+    # The largest request is the model's own rotary table (2048 positions x 4), built on the meta device.
+    assert max(requested) <= 2048 * 4, max(requested)
+    code, lines = run_main(tiny_args(huge.parent, 6), capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert "tok_embeddings.weight is [4194304, 4194304] in the checkpoint, [16, 16] in the model built" in lines[0]
 
 
 def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys, monkeypatch):
@@ -268,6 +416,51 @@ def test_an_export_never_mixes_two_saves_of_a_checkpoint(runs, tmp_path, capsys,
     assert read and code == 2 and len(lines) == 1, lines
     assert "was replaced by a newer save while it was read" in lines[0]
     assert not out.exists()
+
+
+def test_a_linked_checkpoint_last_is_replaced_and_what_a_killed_save_left_is_removed(tmp_path, monkeypatch):
+    """checkpoint_last made a link to checkpoint_2 by hand: a save replaces the link, never
+    what it leads to, and leaves nothing beside it. Killed between stepping the link aside
+    and removing it, the save leaves .replaced-checkpoint_last, which the next start removes."""
+    def complete(path: Path, tag: str) -> None:
+        path.mkdir()
+        for name in (".metadata", "distlm.json", "__0_0.distcp"):
+            (path / name).write_text(tag)
+
+    second, replaced = checkpoint.numbered(2), f".replaced-{checkpoint.LAST}"
+    complete(tmp_path / second, "update 2")
+    (tmp_path / checkpoint.LAST).symlink_to(second)
+    complete(directory.incomplete(tmp_path, checkpoint.LAST), "update 4")
+    directory.commit(tmp_path, checkpoint.LAST)
+    assert sorted(os.listdir(tmp_path)) == [second, checkpoint.LAST]
+    assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "update 4"
+    assert (tmp_path / second / "distlm.json").read_text() == "update 2"
+
+    (tmp_path / checkpoint.LAST).replace(tmp_path / "update-4")
+    (tmp_path / checkpoint.LAST).symlink_to(second)
+    complete(directory.incomplete(tmp_path, checkpoint.LAST), "update 6")
+    renames, rename = [], os.rename
+
+    def rename_then_killed(source, target):
+        rename(source, target)
+        renames.append(target)
+        if len(renames) == 2:  # the new checkpoint is in place, the link stepped aside
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename_then_killed)
+        with pytest.raises(KeyboardInterrupt):
+            directory.commit(tmp_path, checkpoint.LAST)
+    assert (tmp_path / replaced).is_symlink()
+    assert directory.recover(tmp_path) == [f"removed {replaced}"]
+    assert sorted(os.listdir(tmp_path)) == [second, checkpoint.LAST, "update-4"]
+    assert (tmp_path / checkpoint.LAST / "distlm.json").read_text() == "update 6"
+    assert (tmp_path / second / "distlm.json").read_text() == "update 2"
+    # Stepped aside with nothing put in its place, the link is the checkpoint to restore.
+    shutil.rmtree(tmp_path / checkpoint.LAST)
+    (tmp_path / replaced).symlink_to(second)
+    assert directory.recover(tmp_path) == [f"restored {checkpoint.LAST} from an interrupted save"]
+    assert os.readlink(tmp_path / checkpoint.LAST) == second
 
 
 # ------------------------------------------------------------ one owner per save dir

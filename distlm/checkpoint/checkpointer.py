@@ -346,7 +346,7 @@ class Checkpointer:
             with _single_process_quiet():
                 storage.load(templates, path, no_dist=not self.ctx.is_distributed)
         except dcp.CheckpointException as err:
-            raise UsageError(f"{path}: cannot be read ({_cause_line(err)})") from None
+            raise UsageError(f"{path}: cannot be read ({storage.read_failure(err)})") from None
         for key, state in templates.items():
             states[key].load_state_dict(state)
         return set(templates)
@@ -380,18 +380,22 @@ class Checkpointer:
         return {name: template[name] for name in shared if name in template}
 
     def _verify(self, path: Path, meta: dict[str, Any]) -> None:
-        """Every file against the checksums the save recorded, each rank a share (collective)."""
-        files = integrity.recorded_files(meta, path)
-        if files is None or self.settings.no_verify_checkpoint:
+        """Every file against the checksums the save recorded, each rank a share, and no file
+        there that the save did not write (collective)."""
+        if self.settings.no_verify_checkpoint:
             if self.ctx.is_main:
-                logger.info("%s: checksums not verified (%s)", path, "--no-verify-checkpoint" if files is not None
-                            else "the checkpoint was written before checksums were recorded")
+                logger.warning("%s: checksums not verified (--no-verify-checkpoint)", path)
             return
+        files = integrity.recorded_files(meta, path)
         names = sorted(files)[self.ctx.rank::self.ctx.world_size]
-        problems = [problem for problem in self.ctx.all_gather_object(integrity.verify(path, files, names))
-                    if problem is not None]
+        problem = integrity.verify(path, files, names)
+        if problem is not None:
+            problem = f"{problem}; {integrity.remedy(path, meta)}"
+        elif self.ctx.is_main:
+            problem = integrity.unlisted(path, files)
+        problems = [problem for problem in self.ctx.all_gather_object(problem) if problem is not None]
         if problems:
-            raise UsageError(f"{problems[0]}; {integrity.remedy(path, meta)}")
+            raise UsageError(problems[0])
 
     # ------------------------------------------------------------------- save
 
@@ -662,7 +666,7 @@ def _save_failure(err: BaseException, save_dir: Path) -> str:
         stats = os.statvfs(save_dir)
         if stats.f_bavail * stats.f_frsize < _LOW_SPACE_BYTES:
             return f"{os.strerror(errno.ENOSPC)} ({stats.f_bavail * stats.f_frsize} bytes free)"
-    return _cause_line(err)
+    return storage.cause_line(err)
 
 
 # A failed write that leaves less free space than this is taken for a full disk.
@@ -673,13 +677,3 @@ def _is_enospc(err: BaseException) -> bool:
     if isinstance(err, OSError):
         return err.errno == errno.ENOSPC
     return "No space left on device" in str(err) or f"Errno {errno.ENOSPC}" in str(err)
-
-
-def _cause_line(err: BaseException) -> str:
-    """The line that names the error: DCP wraps each rank's exception in a
-    CheckpointException whose text carries the whole traceback before it."""
-    text = str(err).strip()
-    for line in text.splitlines():
-        if "Error" in line and ":" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(err).__name__

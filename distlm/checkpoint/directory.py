@@ -76,17 +76,28 @@ def commit(save_dir: Path, name: str) -> Path:
     """Move ``.incomplete-<name>`` into place as ``name`` (rank 0 only, after every rank wrote)."""
     staged, final = incomplete(save_dir, name), save_dir / name
     fsync_tree(staged)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         replaced = save_dir / f"{_REPLACED}{name}"
-        shutil.rmtree(replaced, ignore_errors=True)
+        remove(replaced)
         os.rename(final, replaced)
         os.rename(staged, final)
         fsync_dir(save_dir)
-        shutil.rmtree(replaced, ignore_errors=True)
+        remove(replaced)
     else:
         os.rename(staged, final)
         fsync_dir(save_dir)
     return final
+
+
+def remove(path: Path) -> None:
+    """Remove what a save left at ``path``: a directory with all it holds, or a link (the
+    checkpoint name a user pointed at another checkpoint, stepped aside by a save), never
+    what a link leads to. shutil.rmtree refuses a link, and ignoring that left it there:
+    the next save's rename onto it then failed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def link_copy(source: Path, save_dir: Path, name: str) -> None:
@@ -118,14 +129,14 @@ def recover(save_dir: Path) -> list[str]:
     for entry in sorted(save_dir.iterdir()):
         if entry.name.startswith(_REPLACED):
             final = save_dir / entry.name[len(_REPLACED):]
-            if not final.exists() and is_complete(entry):
+            if not final.exists() and not final.is_symlink() and is_complete(entry):
                 os.rename(entry, final)
                 done.append(f"restored {final.name} from an interrupted save")
             else:
-                shutil.rmtree(entry, ignore_errors=True)
+                remove(entry)
                 done.append(f"removed {entry.name}")
         elif entry.name.startswith(_INCOMPLETE):
-            shutil.rmtree(entry, ignore_errors=True)
+            remove(entry)
             done.append(f"removed {entry.name}, left by a save that did not finish")
     if done:
         fsync_dir(save_dir)

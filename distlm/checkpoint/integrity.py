@@ -4,14 +4,23 @@ At a save every rank hashes the files it wrote (its shards; rank 0 also DCP's me
 and the tokenizer files) and rank 0 records name, size and SHA-256 of each under
 ``files`` in ``distlm.json``. A resume verifies them before loading, each rank a share
 of the files; an export verifies them all. A flipped byte so ends in one line naming
-the file instead of a wrong weight. Checkpoints written before checksums were recorded
-have no ``files`` and are read unverified.
+the file instead of a wrong weight.
+
+The table is the whole checkpoint: a reader refuses one without it (a tool that rewrote
+``distlm.json``, a hand edit; checkpoints written before checksums were recorded lack it
+too) and any file the table does not list, so that nothing but ``--no-verify-checkpoint``
+reads a checkpoint other than the one its save wrote. A file added after the save is
+refused rather than left out with a warning: it was put there to be read (transformers
+reads an ``added_tokens.json`` beside the tokenizer), so leaving it out would change the
+model exported without anyone deciding that, and taking it in would read what no save
+wrote; the user who wants it passes ``--no-verify-checkpoint``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +62,12 @@ def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | N
         file = path / name
         expected = recorded[name]
         try:
-            size = os.stat(file).st_size
+            status = os.lstat(file)
         except OSError:
             return f"{file} is missing"
+        if not stat.S_ISREG(status.st_mode):  # a link to /dev/zero or a FIFO would never finish hashing
+            return f"{file} is not a regular file, and a save writes only regular files"
+        size = status.st_size
         if size != expected.get("size"):
             return f"{file} has {size} bytes, {expected.get('size')} were written"
         if digest(file)["sha256"] != expected.get("sha256"):
@@ -63,16 +75,34 @@ def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | N
     return None
 
 
-def recorded_files(meta: dict[str, Any], where: Path) -> dict[str, dict[str, Any]] | None:
-    """The checksums a checkpoint recorded, checked to be names inside it; None if it recorded none."""
+def recorded_files(meta: dict[str, Any], where: Path) -> dict[str, dict[str, Any]]:
+    """The checksums a checkpoint recorded, checked to be names inside it; a UsageError if it recorded none."""
     files = meta.get(FILES_KEY)
-    if files is None:
-        return None
+    if files is None or files == {}:
+        raise UsageError(
+            f"{where / directory.META_FILE}: {FILES_KEY!r} is {'missing' if files is None else 'empty'}, so its files "
+            "cannot be verified: distlm.json was rewritten or edited after the save, or written before checksums "
+            "were recorded; restore it from a copy, or pass --no-verify-checkpoint to read the checkpoint unverified")
     if not isinstance(files, dict) or not all(
             isinstance(name, str) and isinstance(entry, dict) and ".." not in Path(name).parts
             and not Path(name).is_absolute() for name, entry in files.items()):
         raise UsageError(f"{where / directory.META_FILE}: {FILES_KEY!r} is not a table of files; the checkpoint is damaged")
     return files
+
+
+def unlisted(path: Path, recorded: dict[str, dict[str, Any]]) -> str | None:
+    """Why ``path`` holds a file its save did not write (one the table does not list), or None."""
+    for root, dirs, files in os.walk(path):
+        # A link to a directory is not walked into: it is an entry of its own, and no save writes one.
+        entries = sorted(files + [name for name in dirs if os.path.islink(os.path.join(root, name))])
+        dirs.sort()
+        for name in entries:
+            relative = os.path.relpath(os.path.join(root, name), path)
+            if relative != directory.META_FILE and relative not in recorded:
+                return (f"{path / relative} is not among the files its save wrote ({directory.META_FILE} does not "
+                        "list it): it was added after the save, and would be read as part of the checkpoint; "
+                        "remove it, or pass --no-verify-checkpoint to read the checkpoint as it is")
+    return None
 
 
 def remedy(path: Path, meta: dict[str, Any], exporting: bool = False) -> str:

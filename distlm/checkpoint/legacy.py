@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from distlm.checkpoint import meta as meta_file
+from distlm.checkpoint import storage
 from distlm.errors import UsageError
 
 FORMAT_VERSION = 1
@@ -26,25 +26,13 @@ def is_legacy(path: Path) -> bool:
     return path.is_file() and path.suffix == ".pt"
 
 
-def _reason(exc: BaseException) -> str:
-    """Why torch refused the file, in one plain line. torch's own text for a refused Python
-    object spans lines, carries terminal escape codes, and suggests loading the file with
-    weights_only=False, which would run whatever code it holds."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
-    refused = re.search(r"GLOBAL (\S+)", text)
-    if refused:
-        return f"it holds a Python object, {refused.group(1)}, that only code could rebuild; distlm never runs it"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
 @functools.lru_cache(maxsize=1)
 def read(path: Path) -> dict[str, Any]:
     """The whole file, loaded with ``weights_only=True``: a checkpoint is data, never code to run."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-        raise UsageError(f"{path}: not a readable distlm checkpoint ({_reason(exc)})") from None
+        raise UsageError(f"{path}: not a readable distlm checkpoint ({storage.read_failure(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise UsageError(f"{path}: not a distlm checkpoint of format {FORMAT_VERSION}")
     missing = [key for key in _REQUIRED if key not in state]

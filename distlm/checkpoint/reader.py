@@ -4,8 +4,10 @@
 ``checkpoint_last``) or a file of the old single-file format. Tensors are read whole
 from whatever shards hold them: one at a time for export, which so holds one tensor and
 never the optimizer's; all at once for ``load`` (tests, small tools), which reads them
-in one pass. Opening verifies every file against the checksums the save recorded, and
-every read checks that the directory is still the one opened: a run that replaces it
+in one pass. Opening verifies every file against the checksums the save recorded (and
+that the save wrote every file there), checks that no tensor's shape asks for more bytes
+than its shards hold, so a tensor read whole is never larger than the checkpoint's files,
+and every read checks that the directory is still the one opened: a run that replaces it
 meanwhile (``checkpoint_last`` at its next save) would otherwise mix two updates.
 """
 
@@ -17,11 +19,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from distlm.checkpoint import directory, integrity, legacy, storage
+from distlm.checkpoint import compare, directory, integrity, legacy, storage
 from distlm.checkpoint import meta as meta_file
-from distlm.errors import UsageError, first_line
+from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
 
@@ -64,13 +67,17 @@ class CheckpointReader:
             elif key.startswith("model."):
                 storage.refuse_non_tensor(self.path, key)
         storage.check_shards_present(self.path, metadata)
-        files = integrity.recorded_files(self.meta, self.path)
-        if files is not None and verify:
+        if verify:
+            files = integrity.recorded_files(self.meta, self.path)
             problem = integrity.verify(self.path, files)
             if problem is not None:
                 raise UsageError(f"{problem}; {integrity.remedy(self.path, self.meta, exporting=True)}")
-        elif not verify:
-            logger.info("%s: checksums not verified (--no-verify-checkpoint)", self.path)
+            problem = integrity.unlisted(self.path, files)
+            if problem is not None:
+                raise UsageError(problem)
+        else:
+            logger.warning("%s: checksums not verified (--no-verify-checkpoint)", self.path)
+        storage.check_tensor_sizes(self.path, metadata)
         self.check_unchanged()
 
     def check_unchanged(self) -> None:
@@ -91,6 +98,16 @@ class CheckpointReader:
         if self.is_legacy:
             return list(legacy.read(self.path)["model"])
         return [key.removeprefix("model.") for key in self._tensors if key.startswith("model.")]
+
+    def check_model(self, built: dict[str, tuple[int, ...]], described: str) -> None:
+        """Refuse, before any weight is read, a checkpoint whose model weights' names or shapes
+        differ from ``built``'s (the model ``described``), as a resume refuses one that differs
+        from the model it built."""
+        saved = {name: tuple(self.tensor_spec(f"model.{name}")[0]) for name in self.model_names()}
+        difference = compare.first_model_difference(saved, built)
+        if difference is not None:
+            raise UsageError(f"{self.path} does not hold the model {described}: {difference}; the checkpoint was "
+                             "crafted or damaged; use a checkpoint you trust")
 
     def tensor_spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
         """Shape and dtype of one tensor, without reading it."""
@@ -129,9 +146,12 @@ class CheckpointReader:
                 storage.load(state, self.path, no_dist=True)
         except UsageError:
             raise
-        except Exception as err:  # noqa: BLE001 - DCP reports a vanished or cut file as anything
+        # DCP reports a vanished or cut file as anything, wrapped in a CheckpointException,
+        # which is not an Exception.
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001
             self.check_unchanged()
-            raise UsageError(f"{self.path}: cannot be read ({first_line(err)}); the checkpoint is damaged") from None
+            raise UsageError(
+                f"{self.path}: cannot be read ({storage.read_failure(err)}); the checkpoint is damaged") from None
         self.check_unchanged()
         return state
 

@@ -6,15 +6,20 @@ whatever code a crafted checkpoint carries. Here the metadata is unpickled admit
 only the classes DCP's metadata is made of, every shard a file inside the checkpoint
 directory, and non-tensor entries are read with ``weights_only=True``. Every read of a
 checkpoint (resume, restore, finetune, export, the offline reader) goes through
-``read_metadata`` and ``load``.
+``read_metadata`` and ``load``. The metadata's sizes are checked against the shard files
+before anything is allocated from them (``check_shards_present``, ``check_tensor_sizes``):
+checksums are not signatures, and a crafted shape would ask the allocator for terabytes.
 """
 
 from __future__ import annotations
 
 import io
+import math
+import os
 import pathlib
 import pickle
-from collections import OrderedDict
+import re
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from distlm.checkpoint import directory
@@ -92,11 +97,70 @@ def shard_files(metadata: Metadata) -> set[str]:
 
 
 def check_shards_present(path: Path, metadata: Metadata) -> None:
-    """UsageError naming the first shard file the metadata lists that ``path`` lacks."""
+    """UsageError naming the first shard file the metadata lists that ``path`` lacks, or
+    whose records the metadata places beyond the file's end (a read would ask for that many bytes)."""
     files = shard_files(metadata)
     missing = sorted(name for name in files if not (path / name).is_file())
     if missing:
         raise UsageError(f"{path} lacks shard {missing[0]} (of {len(files)}); the checkpoint is incomplete")
+    sizes = {name: os.stat(path / name).st_size for name in files}
+    for index, info in metadata.storage_data.items():
+        offset, length, size = info.offset, info.length, sizes[info.relative_path]
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= size):
+            raise UsageError(f"{path / directory.DCP_METADATA_FILE} places {length!r} bytes of {index.fqn} at byte "
+                             f"{offset!r} of {info.relative_path}, which has {size}: the checkpoint was crafted or "
+                             "damaged; use a checkpoint you trust")
+
+
+def check_tensor_sizes(path: Path, metadata: Metadata) -> None:
+    """Refuse a tensor whose shape needs more bytes than the shards hold for it.
+
+    A reader that allocates a tensor whole from its shape (an export) so never allocates
+    more than the checkpoint's files hold; every tensor DCP writes takes at least its own
+    bytes in a shard.
+    """
+    stored: dict[str, int] = defaultdict(int)
+    for index, info in metadata.storage_data.items():
+        stored[index.fqn] += info.length
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        size, dtype = list(entry.size), getattr(entry.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or any(not isinstance(dim, int) or dim < 0 for dim in size):
+            raise UsageError(f"{path / directory.DCP_METADATA_FILE} gives {key} the shape {size} of {dtype}, which "
+                             "no tensor has: the checkpoint was crafted or damaged; use a checkpoint you trust")
+        needed = math.prod(size) * dtype.itemsize
+        if needed > stored[key]:
+            raise UsageError(f"{path / directory.DCP_METADATA_FILE} gives {key} the shape {size}, {needed:,} bytes, "
+                             f"but its shards hold {stored[key]:,} bytes of it: the checkpoint was crafted or "
+                             "damaged; use a checkpoint you trust")
+
+
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def cause_line(err: BaseException) -> str:
+    """The line that names an error of torch's, without terminal escape codes: DCP wraps each
+    rank's exception in a CheckpointException whose text carries the whole traceback before it."""
+    text = _TERMINAL_CODES.sub("", str(err)).strip()
+    for line in text.splitlines():
+        if "Error" in line and ":" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_failure(err: BaseException) -> str:
+    """Why torch could not read checkpoint data, in one plain line. torch's own text for a
+    refused Python object spans lines, carries terminal escape codes, and suggests loading
+    with weights_only=False, which would run whatever code the checkpoint holds."""
+    text = _TERMINAL_CODES.sub("", str(err))
+    refused = re.search(r"GLOBAL (\S+)", text)
+    if refused:
+        return f"it holds a Python object, {refused.group(1)}, that only code could rebuild; distlm never runs it"
+    if "Weights only load failed" in text:
+        return "it holds a pickle that torch's weights-only unpickler refuses; distlm never runs code from a checkpoint"
+    return cause_line(err)
 
 
 class SafeReader(FileSystemReader):
@@ -117,7 +181,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as err:  # noqa: BLE001 - whatever the restricted unpickler refuses
-            raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is not plain data ({first_line(err)}); "
+            raise UsageError(f"checkpoint entry {read_item.dest_index.fqn} is not plain data ({read_failure(err)}); "
                              "distlm runs no code from a checkpoint") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
