@@ -630,7 +630,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     if args.criterion is not None:
         _apply_criterion(config, args.criterion)
     check_settings(config)
-    config.from_command_line = True  # not a field: errors name the flags only (distlm/api_errors.py)
+    config.from_command_line = True  # not a field: errors name the flags only (distlm/python_api.py)
     return config
 
 
