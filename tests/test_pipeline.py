@@ -3,7 +3,7 @@ schedule and beside data and tensor parallel, tied embeddings, validation, the f
 finite check, checkpoints that move between layouts, and the layouts refused.
 
 Pipeline jobs are expensive, so each spawned job runs several checks on tiny shapes
-(4 blocks, 16 tokens, batches of 4, 3 updates).
+(4 blocks, 16 tokens, batches of 4, 3 updates; beside data parallel, batches of 8 and 2 updates).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from safetensors import safe_open
 
-from distributed import run_distributed
+from distributed import Scenarios, run_distributed
 from distlm import checkpoint, export
 from distlm.checkpoint.state import optimizer_state
 from distlm.config import parse_args
@@ -41,8 +41,13 @@ SCHEDULES = {
 # reassociation, ~1e-7 relative in the gradients. Adam (eps 1e-6) turns that into
 # parameter differences of at most ~2e-7 in 3 updates at lr 1e-3 (measured 1.9e-7);
 # a wrong micro-batch, a missing tied gradient or one update too many moves parameters
-# by ~1e-4 or more.
+# by ~1e-4 or more. Beside data parallel the two replicas' gradients are averaged too, and
+# Adam amplifies that rounding where its second moment is tiny (measured up to 8.2e-7).
 PARAM_ATOL = 2e-6
+MICROBATCHES = (2, 4, 8)
+"""Micro-batches per pass beside data parallel: as many as the 2 stages, twice, four times."""
+DP_STRATEGIES = {"ddp": ["--update-freq", "2"], "zero1": ["--strategy", "zero1"], "fsdp": ["--strategy", "fsdp"]}
+DP_UPDATES = 2
 
 
 def args_for(data_dir: str, save_dir: str, arch: str, *extra: str) -> list[str]:
@@ -144,16 +149,55 @@ def overflow_on_last_stage(data_dir: str, save_dir: str) -> dict:
             "scale": (scale, trainer.precision.loss_scale)}
 
 
-def test_pipeline_two_ranks(data_dir, tmp_path):
-    """pp 2 under every schedule equals one process; tied copies stay bit-identical; the
-    validation loss equals one process's; checkpoints move between pp 2 and fsdp 2; an
-    overflow on the last stage skips the update everywhere (and, without a loss scaler, stops
-    the run naming the parameter on its stage); export reads a pp x tp checkpoint."""
-    pp_tp_dir = str(tmp_path / "pp_tp")
-    saved = four_rank_job(data_dir, tmp_path, pp_tp_dir)
+@pytest.fixture(scope="module")
+def four_ranks(data_dir, tmp_path_factory) -> dict:
+    """The module's one 4-rank job: pp 2 x dp 2 under each strategy with each micro-batch
+    count (batches of 8 per replica, 2 updates), and pp 2 x tp 2 with sequence parallel,
+    which saves the checkpoint the 2-rank job reshards: {"pp_tp": that save dir, "job": Scenarios}."""
+    root = tmp_path_factory.mktemp("pipeline4")
+    scenarios = [(f"{strategy}-{count}", train, (args_for(
+        data_dir, str(root / "none"), "llama_tiny", "--pp-degree", "2", "--batch-size", "8",
+        "--pp-microbatches", str(count), *flags), DP_UPDATES))
+        for strategy, flags in DP_STRATEGIES.items() for count in MICROBATCHES]
+    pp_tp_dir = str(root / "pp_tp")
+    scenarios.append(("pp_tp", train, (args_for(data_dir, pp_tp_dir, "llama_tiny", "--pp-degree", "2",
+                                                "--tp-degree", "2", "--sequence-parallel"), UPDATES, True)))
+    return {"pp_tp": pp_tp_dir, "job": Scenarios(4, scenarios, timeout=300)}
+
+
+@pytest.fixture(scope="module")
+def dp_references(data_dir, tmp_path_factory) -> dict[int, dict]:
+    """One process on the global batch of pp 2 x dp 2, by its rows: batches of 8 on each of 2
+    replicas, in one pipeline pass per update (two for ddp's --update-freq 2): 16 (32)."""
+    root = tmp_path_factory.mktemp("pipeline_reference")
+    return {rows: train(args_for(data_dir, str(root / "none"), "llama_tiny", "--batch-size", str(rows)), DP_UPDATES)
+            for rows in (16, 32)}
+
+
+@pytest.mark.parametrize("count", MICROBATCHES)
+@pytest.mark.parametrize("strategy", DP_STRATEGIES)
+def test_pipeline_beside_data_parallel(strategy, count, four_ranks, dp_references):
+    """pp 2 x dp 2 equals one process with as many micro-batches as stages (where no forward
+    runs between a stage's first and last backward), twice and four times as many; ddp also
+    with two pipeline passes per update."""
+    ranks = four_ranks["job"][f"{strategy}-{count}"]
+    assert_close(merged(ranks, "params"), dp_references[32 if strategy == "ddp" else 16]["params"])
+
+
+def test_pipeline_two_ranks(data_dir, tmp_path, four_ranks):
+    """pp 2 under every schedule, and pp 2 x tp 2 with sequence parallel on 4 ranks, equal one
+    process; tied copies stay bit-identical; the validation loss equals one process's;
+    checkpoints move between pp 2 and fsdp 2; an overflow on the last stage skips the update
+    everywhere (and, without a loss scaler, stops the run naming the parameter on its stage);
+    export reads a pp x tp checkpoint."""
+    pp_tp_dir = four_ranks["pp_tp"]
+    pp_tp = four_ranks["job"]["pp_tp"]
+    saved = {key: merged(pp_tp, key) for key in ("params", "moments")}
     ranks = run_distributed(two_rank_checks, 2, data_dir, str(tmp_path), pp_tp_dir, timeout=300)
     for arch in ("llama_tiny", "roberta_tiny"):
         reference = train(args_for(data_dir, str(tmp_path / "none"), arch), valid=True)
+        if arch == "llama_tiny":
+            assert_close(saved["params"], reference["params"])
         for key in ranks[0]:
             if isinstance(key, tuple) and key[0] == arch:
                 assert_close(merged([r[key] for r in ranks], "params"), reference["params"])
@@ -193,32 +237,6 @@ def test_pipeline_two_ranks(data_dir, tmp_path):
         overflow = rank["overflow"]
         assert not overflow["applied"] and overflow["unchanged"] and overflow["updates"] == 0
         assert overflow["scale"][1] == overflow["scale"][0] / 2
-
-
-def four_rank_checks(data_dir: str, root: str, save_dir: str) -> dict:
-    out = {}
-    for name, flags in {"ddp": ["--update-freq", "2"], "fsdp": ["--strategy", "fsdp"],
-                        "zero1": ["--strategy", "zero1"]}.items():
-        out[name] = train(args_for(data_dir, f"{root}/none", "llama_tiny", "--pp-degree", "2", *flags))
-    out["tp"] = train(args_for(data_dir, save_dir, "llama_tiny", "--pp-degree", "2", "--tp-degree", "2",
-                               "--sequence-parallel"), save=True)
-    return out
-
-
-def four_rank_job(data_dir: str, tmp_path: Path, save_dir: str) -> dict:
-    """pp 2 x dp 2 (ddp with --update-freq 2, fsdp, zero1) and pp 2 x tp 2 with sequence
-    parallel on 4 ranks equal one process (its batch the global one); the pp 2 x tp 2 run saves
-    the checkpoint the 2-rank job reshards."""
-    ranks = run_distributed(four_rank_checks, 4, data_dir, str(tmp_path), save_dir, timeout=300)
-    double = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny", "--batch-size", "8"))
-    for key in ("fsdp", "zero1"):
-        assert_close(merged([r[key] for r in ranks], "params"), double["params"])
-    # Two whole pipeline passes per update on each of 2 replicas: a global batch of 16.
-    quadruple = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny", "--batch-size", "16"))
-    assert_close(merged([r["ddp"] for r in ranks], "params"), quadruple["params"])
-    reference = train(args_for(data_dir, str(tmp_path / "none"), "llama_tiny"))
-    assert_close(merged([r["tp"] for r in ranks], "params"), reference["params"])
-    return {key: merged([r["tp"] for r in ranks], key) for key in ("params", "moments")}
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, pp_microbatches
 from distlm.data.masking import IGNORE_INDEX
@@ -285,6 +286,7 @@ class PipelineRunner:
         self.holds_last = self.stage_count - 1 in stage_ids
         self.tied, self.tied_group = tied, tied_group
         self.padding_idx = model.padding_idx
+        self.ddp_chunks = [chunk for chunk in chunks if isinstance(chunk, DistributedDataParallel)]
         self._factor: torch.Tensor | float = 1.0
         self._losses: list[torch.Tensor] = []
         self.train_schedule = self._schedule(chunks, stage_ids, options.schedule, self._scaled_loss)
@@ -320,10 +322,19 @@ class PipelineRunner:
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["targets"] if self.holds_last else None
         before = len(self._losses)
-        if forward_only:
-            schedule.eval(*args, target=target)
-        else:
-            schedule.step(*args, target=target, return_outputs=False)
+        with contextlib.ExitStack() as unsynced:
+            # The schedule arms DDP's reducer itself, before the last micro-batch's backward.
+            # Its first pass also infers shapes by calling the DDP module outside no_sync, which
+            # arms the reducer for a backward that never reaches the parameters: the first
+            # micro-batch's backward was then reduced as well, and with no forward between it
+            # and the last one (micro-batches = stages) DDP recorded every parameter twice for
+            # its bucket rebuild and failed the next forward. Nothing else may arm it.
+            for chunk in self.ddp_chunks:
+                unsynced.enter_context(chunk.no_sync())
+            if forward_only:
+                schedule.eval(*args, target=target)
+            else:
+                schedule.step(*args, target=target, return_outputs=False)
         # A schedule's first pass infers the stages' shapes by running the last stage once
         # more on uninitialised inputs, loss included: a pass's own losses are its last M.
         del self._losses[before:len(self._losses) - self.microbatches]
