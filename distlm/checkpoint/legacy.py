@@ -30,7 +30,7 @@ def is_legacy(path: Path) -> bool:
 def read(path: Path) -> dict[str, Any]:
     """The whole file, loaded with ``weights_only=True``: a checkpoint is data, never code to run."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = storage.load_data_only(path, map_location="cpu")
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         raise UsageError(f"{path}: not a readable distlm checkpoint ({storage.read_failure(exc)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
