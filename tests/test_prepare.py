@@ -1,4 +1,5 @@
-"""``python -m distlm.data.prepare`` and training on its output with a Hugging Face tokenizer.
+"""``python -m distlm.data.prepare`` and training on its output with a Hugging Face tokenizer,
+and the built-in corpus's tokenizer in checkpoints and exports.
 
 A small byte-level BPE tokenizer is trained here with the ``tokenizers`` library on the
 standard library's prose (the built-in corpus's source), so the reference encodings and
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +289,26 @@ def test_training_on_prepared_data_lowers_the_loss(prepared, capsys):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+ARCH_TASKS = {"llama_tiny": "causal_lm", "roberta_tiny": "masked_lm"}
+
+
+def train_two_updates_and_export(data: Path | None, arch: str, root: Path) -> tuple[Path, Path]:
+    """2 updates of ``arch`` on ``data`` (None: the built-in corpus), saved, then
+    ``python -m distlm.export --hf``; returns the save dir and the export."""
+    from distlm.config import parse_args
+    from distlm.export import main as export_main
+    from distlm.trainer import Trainer
+
+    save_dir, hf_dir = root / "run", root / "hf"
+    Trainer(parse_args([
+        *([] if data is None else ["--data", str(data)]), "--arch", arch, "--tokens-per-sample", "32",
+        "--batch-size", "2", "--max-update", "2", "--disable-validation", "--save-dir", str(save_dir),
+        "--device", "cpu", "--log-interval", "1000",
+    ])).fit()
+    assert export_main(["--checkpoint", str(save_dir), "--hf", str(hf_dir)]) == 0
+    return save_dir, hf_dir
+
+
 @pytest.mark.parametrize("arch", ["llama_tiny", "roberta_tiny"])
 def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared, reference, tokenizer_dir, tmp_path):
     """prepare -> 2 updates -> ``python -m distlm.export --hf``: the export carries the
@@ -294,22 +317,13 @@ def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared
     part of the text) and to exactly the ids the model saw for it: for a causal LM the
     text alone (neither side adds a bos), for a masked LM ``<s>`` text ``</s>``."""
     transformers = pytest.importorskip("transformers")
-    from distlm.config import parse_args
-    from distlm.export import main as export_main
-    from distlm.trainer import Trainer
-
     out, _ = prepared
-    save_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    Trainer(parse_args([
-        "--data", str(out), "--arch", arch, "--tokens-per-sample", "32", "--batch-size", "2", "--max-update", "2",
-        "--disable-validation", "--save-dir", str(save_dir), "--device", "cpu", "--log-interval", "1000",
-    ])).fit()
-    assert export_main(["--checkpoint", str(save_dir), "--hf", str(hf_dir)]) == 0
+    _, hf_dir = train_two_updates_and_export(out, arch, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (hf_dir / name).read_bytes() == (tokenizer_dir / name).read_bytes()
     auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
 
-    task = "causal_lm" if arch == "llama_tiny" else "masked_lm"
+    task = ARCH_TASKS[arch]
     # One document per sample, so sample i is document i of the split as the model sees it.
     data = load_lm_data(out, "train", task, tokens_per_sample=4096, sample_break_mode="eos")
     eos = reference.token_to_id("</s>")
@@ -327,6 +341,66 @@ def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared
         assert (encoded if task == "causal_lm" else encoded[1:-1]) == written[:-1], (index, text)
         checked += 1
     assert checked >= 30
+
+
+# ------------------------------------------ the built-in corpus's byte-level tokenizer
+
+
+def test_default_corpus_run_exports_a_tokenizer_transformers_loads(tmp_path, monkeypatch, caplog):
+    """The default run (built-in corpus, byte-level) saves its tokenizer with no tokenizers
+    package installed and logs nothing about one; transformers loads the export's tokenizer,
+    which encodes text to the corpus's ids."""
+    transformers = pytest.importorskip("transformers")
+    from distlm.data import ByteTokenizer, Dictionary
+
+    # The built-in corpus from the standard library's first paragraphs only: the same
+    # build and the same default run as the full corpus, in a fraction of its time.
+    monkeypatch.setenv("DISTLM_CACHE_DIR", str(tmp_path / "cache"))
+    paragraphs = list(itertools.islice(corpus.iter_stdlib_paragraphs(), 3000))
+    monkeypatch.setattr(corpus, "iter_stdlib_paragraphs", lambda: iter(paragraphs))
+    monkeypatch.setattr(corpus, "_MIN_TEXT_BYTES", 0)
+    with monkeypatch.context() as hidden, caplog.at_level(logging.INFO, logger="distlm"):
+        hidden.setitem(sys.modules, "tokenizers", None)  # as installed without the hf extra
+        save_dir, hf_dir = train_two_updates_and_export(None, "roberta_tiny", tmp_path)
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "pip install" in m or "without tokenizer" in m or "no tokenizer" in m], messages
+    assert (save_dir / "checkpoint_last" / "tokenizer" / "tokenizer.json").is_file()
+    dictionary = Dictionary.load(corpus.builtin_corpus_dir() / "dict.txt")
+    dictionary.add_symbol("<mask>")
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert len(auto) == len(dictionary) and auto.mask_token_id == dictionary.mask()
+    text = "A default run's export reads text: naïve café 🐍"
+    ids = auto(text)["input_ids"]
+    assert ids == [dictionary.bos(), *ByteTokenizer(dictionary).encode(text), dictionary.eos()]
+    assert auto.decode(ids, skip_special_tokens=True) == text
+
+
+def test_byte_level_tokenizer_files_are_the_ones_tokenizers_writes(tmp_path, monkeypatch):
+    """write_hf_tokenizer writes tokenizer.json itself (the default install has no
+    tokenizers package): the tokenizers library reads it back as the very tokenizer its
+    own API builds."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    from distlm.data import byte_dictionary, write_hf_tokenizer
+
+    templates = {"masked_lm": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"), "causal_lm": ("$A </s>", "$A </s> $B </s>")}
+    for task, (single, pair) in templates.items():
+        dictionary = byte_dictionary()
+        if task == "masked_lm":
+            dictionary.add_symbol("<mask>")
+        with monkeypatch.context() as hidden:
+            hidden.setitem(sys.modules, "tokenizers", None)
+            write_hf_tokenizer(dictionary, tmp_path / task, task)
+        ids = {symbol: index for index, symbol in enumerate(dictionary.symbols)}
+        expected = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token="<unk>", byte_fallback=True))
+        specials = [symbol for symbol in SPECIALS if symbol in ids]
+        expected.add_special_tokens([AddedToken(symbol, special=True, normalized=False) for symbol in specials])
+        expected.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        used = [symbol for symbol in ("<s>", "</s>") if symbol in single]
+        expected.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[(symbol, ids[symbol]) for symbol in used])
+        written = Tokenizer.from_file(str(tmp_path / task / "tokenizer.json"))
+        assert written.to_str() == expected.to_str(), task
 
 
 # --------------------------------------------------------------------- bad input
@@ -394,3 +468,4 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
     assert len(lines) == 1 and lines[0].startswith("distlm.data.prepare: error: "), captured.err
     assert expected in lines[0]
     assert not (tmp_path / "out" / "train.idx").exists()
+
