@@ -13,6 +13,9 @@ TASKS = ("masked_lm", "causal_lm")
 SAMPLE_BREAK_MODES = ("none", "complete", "eos")
 """How a token stream is cut into samples, as fairseq's ``--sample-break-mode``."""
 
+TOKENIZER_MODELS = ("bpe", "unigram")
+"""The byte-level tokenizers ``distlm.prepare`` trains on raw text (``--tokenizer-model``)."""
+
 OPTIMIZERS = ("adam", "adamw")
 """Both mean AdamW (decoupled weight decay), as fairseq's ``adam`` is."""
 

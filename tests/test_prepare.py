@@ -1,26 +1,33 @@
-"""``python -m distlm.data.prepare`` and training on its output with a Hugging Face tokenizer.
+"""``python -m distlm.prepare`` / ``distlm.data.prepare`` and training on its output with a
+Hugging Face tokenizer, given or trained on the raw text.
 
 A small byte-level BPE tokenizer is trained here with the ``tokenizers`` library on the
 standard library's prose (the built-in corpus's source), so the reference encodings and
-decodings come from that library, not from distlm.
+decodings come from that library, not from distlm. The tokenizers distlm trains itself are
+checked through what they must do: decode every document back to its text, and give
+transformers, after an export, the ids and the logits distlm's model had.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 tokenizers = pytest.importorskip("tokenizers")
 
 from distlm.data import MMapIndexedDataset, load_lm_data  # noqa: E402
 from distlm.data import corpus  # noqa: E402
-from distlm.data.hf_tokenizer import HFVocabulary, save_tokenizer  # noqa: E402
-from distlm.data.prepare import main, prepare  # noqa: E402
+from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, save_tokenizer  # noqa: E402
+from distlm.data.prepare import choose_valid_documents, main, prepare  # noqa: E402
 from distlm.errors import UsageError  # noqa: E402
+from distlm.prepare import main as prepare_main  # noqa: E402
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 VALID_FRACTION = 0.05
@@ -286,6 +293,26 @@ def test_training_on_prepared_data_lowers_the_loss(prepared, capsys):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+ARCH_TASKS = {"llama_tiny": "causal_lm", "roberta_tiny": "masked_lm"}
+
+
+def train_two_updates_and_export(data: Path | None, arch: str, root: Path) -> tuple[Path, Path]:
+    """2 updates of ``arch`` on ``data`` (None: the built-in corpus), saved, then
+    ``python -m distlm.export --hf``; returns the save dir and the export."""
+    from distlm.config import parse_args
+    from distlm.export import main as export_main
+    from distlm.trainer import Trainer
+
+    save_dir, hf_dir = root / "run", root / "hf"
+    Trainer(parse_args([
+        *([] if data is None else ["--data", str(data)]), "--arch", arch, "--tokens-per-sample", "32",
+        "--batch-size", "2", "--max-update", "2", "--disable-validation", "--save-dir", str(save_dir),
+        "--device", "cpu", "--log-interval", "1000",
+    ])).fit()
+    assert export_main(["--checkpoint", str(save_dir), "--hf", str(hf_dir)]) == 0
+    return save_dir, hf_dir
+
+
 @pytest.mark.parametrize("arch", ["llama_tiny", "roberta_tiny"])
 def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared, reference, tokenizer_dir, tmp_path):
     """prepare -> 2 updates -> ``python -m distlm.export --hf``: the export carries the
@@ -294,22 +321,13 @@ def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared
     part of the text) and to exactly the ids the model saw for it: for a causal LM the
     text alone (neither side adds a bos), for a masked LM ``<s>`` text ``</s>``."""
     transformers = pytest.importorskip("transformers")
-    from distlm.config import parse_args
-    from distlm.export import main as export_main
-    from distlm.trainer import Trainer
-
     out, _ = prepared
-    save_dir, hf_dir = tmp_path / "run", tmp_path / "hf"
-    Trainer(parse_args([
-        "--data", str(out), "--arch", arch, "--tokens-per-sample", "32", "--batch-size", "2", "--max-update", "2",
-        "--disable-validation", "--save-dir", str(save_dir), "--device", "cpu", "--log-interval", "1000",
-    ])).fit()
-    assert export_main(["--checkpoint", str(save_dir), "--hf", str(hf_dir)]) == 0
+    _, hf_dir = train_two_updates_and_export(out, arch, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (hf_dir / name).read_bytes() == (tokenizer_dir / name).read_bytes()
     auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
 
-    task = "causal_lm" if arch == "llama_tiny" else "masked_lm"
+    task = ARCH_TASKS[arch]
     # One document per sample, so sample i is document i of the split as the model sees it.
     data = load_lm_data(out, "train", task, tokens_per_sample=4096, sample_break_mode="eos")
     eos = reference.token_to_id("</s>")
@@ -327,6 +345,188 @@ def test_exported_tokenizer_encodes_text_as_the_data_pipeline_did(arch, prepared
         assert (encoded if task == "causal_lm" else encoded[1:-1]) == written[:-1], (index, text)
         checked += 1
     assert checked >= 30
+
+
+# ------------------------------------------------- raw text: a tokenizer trained here
+
+RAW_VOCAB = 300  # the 256 bytes, 5 specials and a few merges: a tiny model's embedding
+
+
+@pytest.fixture(scope="module")
+def raw_prepared(tmp_path_factory, text_input) -> Path:
+    """``python -m distlm.prepare`` on the raw text, with no tokenizer given."""
+    out = tmp_path_factory.mktemp("raw_prepared")
+    args = ["--input", str(text_input), "--out", str(out), "--vocab-size", str(RAW_VOCAB),
+            "--valid-fraction", str(VALID_FRACTION), "--seed", "3"]
+    assert prepare_main(args) == 0
+    return out
+
+
+def decoded_splits(directory: Path) -> dict[str, list[str]]:
+    """Every written document of each split, decoded by the directory's own tokenizer file."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos = tokenizer.token_to_id("</s>")
+    texts: dict[str, list[str]] = {}
+    for split in [split for split in ("train", "valid") if (directory / f"{split}.idx").exists()]:
+        sequences = [sequence.tolist() for sequence in read_split(directory, split)]
+        assert all(sequence[-1] == eos and eos not in sequence[:-1] for sequence in sequences)
+        texts[split] = [tokenizer.decode(sequence, skip_special_tokens=True) for sequence in sequences]
+    return texts
+
+
+def test_prepare_trains_a_byte_level_tokenizer_beside_the_data(raw_prepared, documents):
+    out = raw_prepared
+    names = sorted(path.name for path in out.iterdir())
+    assert names == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "train.bin", "train.idx",
+                     "valid.bin", "valid.idx"]
+    # Every document, typed "</s>" and non-ASCII ones included, decodes back to its text.
+    texts = decoded_splits(out)
+    assert sorted(texts["train"] + texts["valid"]) == sorted(documents)
+    assert len(texts["valid"]) == round(VALID_FRACTION * len(documents))
+    vocabulary = HFVocabulary.load(out, "masked_lm")
+    assert len(vocabulary) == RAW_VOCAB and vocabulary.symbols[:5] == SPECIALS
+    assert (vocabulary.bos(), vocabulary.pad(), vocabulary.eos(), vocabulary.unk(), vocabulary.mask()) == (0, 1, 2, 3, 4)
+    unk = vocabulary.unk()
+    assert all(unk not in sequence for split in ("train", "valid") for sequence in read_split(out, split))
+
+
+def test_the_tokenizer_is_trained_on_the_training_documents_only(tmp_path, documents):
+    """A word repeated in one held-out document only becomes a token when that document
+    trains the tokenizer (no validation split), never when it is held out."""
+    few = documents[:300]
+    held_out = int(np.flatnonzero(choose_valid_documents(len(few) + 1, 0.05, seed=5))[0])
+    leaky = " ".join(["zqxwv"] * 400)
+    source = tmp_path / "docs.txt"
+    source.write_text("\n\n".join(few[:held_out] + [leaky] + few[held_out:]))
+    vocabularies = {}
+    for fraction in (0.05, 0.0):
+        out = tmp_path / f"out{fraction}"
+        prepare(None, [source], out, valid_fraction=fraction, seed=5, progress=False, vocab_size=400)
+        vocabularies[fraction] = HFVocabulary.load(out).symbols
+    assert leaky in decoded_splits(tmp_path / "out0.05")["valid"]
+    assert "zqxwv" not in {symbol.lstrip("Ġ") for symbol in vocabularies[0.05]}
+    assert "zqxwv" in {symbol.lstrip("Ġ") for symbol in vocabularies[0.0]}
+
+
+def test_a_rerun_replaces_the_tokenizer_it_trained_with_all_its_data(tmp_path, documents, capsys):
+    """unigram, then BPE of another size into the same directory: the data is the new
+    tokenizer's (it decodes every document), and transformers reads the directory."""
+    transformers = pytest.importorskip("transformers")
+    texts = documents[:200] + documents[-2:]
+    source = tmp_path / "docs.txt"
+    source.write_text("\n\n".join(texts))
+    out = tmp_path / "out"
+    assert prepare_main(["--input", str(source), "--out", str(out), "--tokenizer-model", "unigram",
+                         "--vocab-size", "320"]) == 0
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["type"] == "Unigram"
+    decoded = decoded_splits(out)
+    assert sorted(decoded["train"] + decoded["valid"]) == sorted(texts)
+    assert prepare_main(["--input", str(source), "--out", str(out), "--vocab-size", "280",
+                         "--valid-fraction", "0"]) == 0
+    assert "tokenizer: bpe, 280 tokens, trained on the training split" in capsys.readouterr().out
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert len(HFVocabulary.load(out)) == 280
+    assert decoded_splits(out) == {"train": texts}  # and no validation split left behind
+    reference = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    reference.encode_special_tokens = True
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    for text in texts[-2:]:
+        ids = auto(text)["input_ids"]  # the data directory's tokenizer adds no special tokens
+        assert ids == reference.encode(text).ids and auto.decode(ids) == text
+
+
+@pytest.mark.parametrize("arch", ["llama_tiny", "roberta_tiny"])
+def test_raw_text_to_a_model_that_transformers_runs(arch, raw_prepared, documents, tmp_path):
+    """prepare (tokenizer trained) -> 2 updates -> export: transformers' AutoTokenizer of the
+    export round-trips the documents and encodes each to exactly the ids the model saw for
+    it (``<s>`` text ``</s>`` for a masked LM, text ``</s>`` for a causal LM), and
+    AutoModelFor* gives distlm's logits on them."""
+    transformers = pytest.importorskip("transformers")
+    from distlm.checkpoint import CheckpointReader
+    from test_hf_training import _distlm_model
+
+    out, task = raw_prepared, ARCH_TASKS[arch]
+    save_dir, hf_dir = train_two_updates_and_export(out, arch, tmp_path)
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    # One document per sample, so sample i is document i of the split as the model sees it.
+    data = load_lm_data(out, "train", task, tokens_per_sample=4096, sample_break_mode="eos")
+    texts = decoded_splits(out)["train"]
+    for index, text in enumerate(texts[:400]):
+        inputs, targets = data.sample(0, index)
+        if task == "masked_lm":
+            seen = np.where(targets != -100, targets, inputs).tolist()  # masks undone
+        else:
+            seen = inputs.tolist() + targets[-1:].tolist()
+        ids = auto(text)["input_ids"]
+        assert ids == seen, (index, text)
+        assert auto.decode(ids, skip_special_tokens=True) == text
+    for text in documents[-2:]:  # typed special tokens and non-ASCII text, wherever the split put them
+        assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
+
+    load = transformers.AutoModelForCausalLM if task == "causal_lm" else transformers.AutoModelForMaskedLM
+    hf = load.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    distlm_model = _distlm_model(CheckpointReader(save_dir))
+    with torch.no_grad():
+        for text in (texts[0], documents[-1]):
+            ids = auto(text, return_tensors="pt")["input_ids"][:, :32]
+            torch.testing.assert_close(hf(ids).logits, distlm_model(ids), rtol=0, atol=1e-5)
+
+
+def test_default_corpus_run_exports_a_tokenizer_transformers_loads(tmp_path, monkeypatch, caplog):
+    """The default run (built-in corpus, byte-level) saves its tokenizer with no tokenizers
+    package installed and logs nothing about one; transformers loads the export's tokenizer,
+    which encodes text to the corpus's ids."""
+    transformers = pytest.importorskip("transformers")
+    from distlm.data import ByteTokenizer, Dictionary
+
+    # The built-in corpus from the standard library's first paragraphs only: the same
+    # build and the same default run as the full corpus, in a fraction of its time.
+    monkeypatch.setenv("DISTLM_CACHE_DIR", str(tmp_path / "cache"))
+    paragraphs = list(itertools.islice(corpus.iter_stdlib_paragraphs(), 1500))
+    monkeypatch.setattr(corpus, "iter_stdlib_paragraphs", lambda: iter(paragraphs))
+    monkeypatch.setattr(corpus, "_MIN_TEXT_BYTES", 0)
+    with monkeypatch.context() as hidden, caplog.at_level(logging.INFO, logger="distlm"):
+        hidden.setitem(sys.modules, "tokenizers", None)  # as installed without the hf extra
+        save_dir, hf_dir = train_two_updates_and_export(None, "roberta_tiny", tmp_path)
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "pip install" in m or "without tokenizer" in m or "no tokenizer" in m], messages
+    assert (save_dir / "checkpoint_last" / "tokenizer" / "tokenizer.json").is_file()
+    dictionary = Dictionary.load(corpus.builtin_corpus_dir() / "dict.txt")
+    dictionary.add_symbol("<mask>")
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert len(auto) == len(dictionary) and auto.mask_token_id == dictionary.mask()
+    text = "A default run's export reads text: naïve café 🐍"
+    ids = auto(text)["input_ids"]
+    assert ids == [dictionary.bos(), *ByteTokenizer(dictionary).encode(text), dictionary.eos()]
+    assert auto.decode(ids, skip_special_tokens=True) == text
+
+
+def test_byte_level_tokenizer_files_are_the_ones_tokenizers_writes(tmp_path, monkeypatch):
+    """write_hf_tokenizer writes tokenizer.json itself (the default install has no
+    tokenizers package): the tokenizers library reads it back as the very tokenizer its
+    own API builds."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    from distlm.data import byte_dictionary, write_hf_tokenizer
+
+    templates = {"masked_lm": ("<s> $A </s>", "<s> $A </s> </s> $B </s>"), "causal_lm": ("$A </s>", "$A </s> $B </s>")}
+    for task, (single, pair) in templates.items():
+        dictionary = byte_dictionary()
+        if task == "masked_lm":
+            dictionary.add_symbol("<mask>")
+        with monkeypatch.context() as hidden:
+            hidden.setitem(sys.modules, "tokenizers", None)
+            write_hf_tokenizer(dictionary, tmp_path / task, task)
+        ids = {symbol: index for index, symbol in enumerate(dictionary.symbols)}
+        expected = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token="<unk>", byte_fallback=True))
+        specials = [symbol for symbol in SPECIALS if symbol in ids]
+        expected.add_special_tokens([AddedToken(symbol, special=True, normalized=False) for symbol in specials])
+        expected.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        used = [symbol for symbol in ("<s>", "</s>") if symbol in single]
+        expected.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[(symbol, ids[symbol]) for symbol in used])
+        written = Tokenizer.from_file(str(tmp_path / task / "tokenizer.json"))
+        assert written.to_str() == expected.to_str(), task
 
 
 # --------------------------------------------------------------------- bad input
@@ -378,7 +578,7 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
     elif case == "bad_fraction":
         extra = ["--valid-fraction", "1.5"]
     elif case == "unknown_flag":
-        extra = ["--vocab-size", "3"]
+        extra = ["--workers", "3"]
     elif case == "lone_surrogate":
         jsonl.write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')
         args["--input"] = str(jsonl)
@@ -394,3 +594,41 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
     assert len(lines) == 1 and lines[0].startswith("distlm.data.prepare: error: "), captured.err
     assert expected in lines[0]
     assert not (tmp_path / "out" / "train.idx").exists()
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("vocab_size_too_small", "--vocab-size 260 is below 261: a byte-level tokenizer holds the 256 bytes"),
+        ("unknown_tokenizer_model", "argument --tokenizer-model: invalid choice: 'wordpiece'"),
+        ("training_flag_with_tokenizer", "--vocab-size set the tokenizer trained without --tokenizer; drop it"),
+        ("no_tokenizers_package", "training a tokenizer (--input without --tokenizer) needs the tokenizers package; "
+                                  "pip install 'distlm[hf]'"),
+        ("out_holds_a_tokenizer_not_trained_here", "holds the data of a tokenizer not trained by distlm.prepare"),
+    ],
+)
+def test_training_a_tokenizer_refuses_bad_input_in_one_line(case, expected, tmp_path, tokenizer_dir, capsys,
+                                                            monkeypatch):
+    text = tmp_path / "docs.txt"
+    text.write_text("one document\n\nanother one\n")
+    out = tmp_path / "out"
+    argv = ["--input", str(text), "--out", str(out)]
+    if case == "vocab_size_too_small":
+        argv += ["--vocab-size", "260"]
+    elif case == "unknown_tokenizer_model":
+        argv += ["--tokenizer-model", "wordpiece"]
+    elif case == "training_flag_with_tokenizer":
+        argv += ["--tokenizer", str(tokenizer_dir), "--vocab-size", "400"]
+    elif case == "no_tokenizers_package":
+        monkeypatch.setitem(sys.modules, "tokenizers", None)
+    elif case == "out_holds_a_tokenizer_not_trained_here":
+        copy_tokenizer_files(tokenizer_dir, out)
+    before = {path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else {}
+    assert prepare_main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distlm.prepare: error: "), captured.err
+    assert expected in lines[0]
+    after = {path.name: path.read_bytes() for path in out.iterdir()} if out.exists() else {}
+    assert after == before  # nothing written, nothing replaced

@@ -19,6 +19,10 @@ A role that neither file names takes its conventional token when ``tokenizer.jso
 holds it as a special token (as a tokenizer trained with ``tokenizers`` and saved alone
 does); otherwise the tokenizer has no such token. What each task needs is checked in
 :meth:`HFVocabulary.load`.
+
+:func:`train_tokenizer` trains a byte-level tokenizer on raw text (``distlm.prepare``
+without ``--tokenizer``); saved with a model, it adds the special tokens of the model's
+task (see :func:`save_tokenizer`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,21 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from distlm.data.dictionary import Vocabulary
-from distlm.data.tokenizer import write_hf_tokenizer
+from distlm.choices import TOKENIZER_MODELS
+from distlm.data.dictionary import (
+    BOS_SYMBOL,
+    EOS_SYMBOL,
+    MASK_SYMBOL,
+    PAD_SYMBOL,
+    SPECIAL_SYMBOLS,
+    UNK_SYMBOL,
+    Vocabulary,
+)
+from distlm.data.tokenizer import NUM_BYTES, task_post_processor, write_hf_tokenizer
 from distlm.errors import UsageError, first_line
 
 logger = logging.getLogger(__name__)
@@ -59,6 +73,22 @@ _ROLES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+# tokenizer_config.json key of a tokenizer train_tokenizer made: {"model": ..., "vocab_size": ...}.
+TRAINED_KEY = "distlm_trained"
+# The special tokens of a trained tokenizer, at ids 0-4 in fairseq's order (then <mask>).
+TRAINED_SPECIALS = (*SPECIAL_SYMBOLS, MASK_SYMBOL)
+DEFAULT_VOCAB_SIZE = 16000
+
+
+def import_tokenizers(purpose: str):
+    """The ``tokenizers`` package, or a one-line refusal naming ``purpose`` and the extra."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise UsageError(f"{purpose} needs the tokenizers package; pip install 'distlm[hf]'") from None
+    return tokenizers
+
+
 def is_hf_tokenizer_dir(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a Hugging Face ``tokenizer.json``."""
     return (Path(directory) / TOKENIZER_FILE).is_file()
@@ -75,10 +105,7 @@ def load_tokenizer(directory: str | os.PathLike):
             f"tokenizer directory {directory} has no {TOKENIZER_FILE}; save the tokenizer with "
             f"save_pretrained() (a fast tokenizer) or Tokenizer.save()"
         )
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError(f"reading {path} needs the tokenizers package; pip install tokenizers") from None
+    Tokenizer = import_tokenizers(f"reading {path}").Tokenizer
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
@@ -89,20 +116,25 @@ def read_special_token_names(directory: str | os.PathLike) -> dict[str, str]:
     """``{setting: token}`` from the directory's config files, e.g. ``{"eos_token": "</s>"}``."""
     names: dict[str, str] = {}
     for file_name in CONFIG_FILES:
-        path = Path(directory) / file_name
-        if not path.is_file():
-            continue
-        try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise UsageError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
-        if not isinstance(config, dict):
-            raise UsageError(f"{path} must hold a JSON object; fix or remove it")
+        config = read_config_file(Path(directory) / file_name)
         for setting in {setting for settings, _ in _ROLES.values() for setting in settings}:
             token = _token_content(config.get(setting))
             if token is not None:
                 names[setting] = token
     return names
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The JSON object of a tokenizer config file ({} when there is no such file)."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path} cannot be read as JSON ({err}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path} must hold a JSON object; fix or remove it")
+    return config
 
 
 def _token_content(value: Any) -> str | None:
@@ -260,14 +292,87 @@ def copy_tokenizer_files(source_dir: str | os.PathLike, out_dir: str | os.PathLi
     return copied
 
 
+def check_tokenizer_training(model: str, vocab_size: int) -> None:
+    """Refuse settings :func:`train_tokenizer` cannot train with, and a missing ``tokenizers``,
+    before any text is read."""
+    if model not in TOKENIZER_MODELS:
+        raise UsageError(f"--tokenizer-model {model} is not one of {', '.join(TOKENIZER_MODELS)}")
+    smallest = NUM_BYTES + len(TRAINED_SPECIALS)
+    if vocab_size < smallest:
+        raise UsageError(f"--vocab-size {vocab_size} is below {smallest}: a byte-level tokenizer holds the "
+                         f"{NUM_BYTES} bytes and {len(TRAINED_SPECIALS)} special tokens; give at least {smallest}")
+    import_tokenizers("training a tokenizer (--input without --tokenizer)")
+
+
+def train_tokenizer(documents: Iterable[str], out_dir: str | os.PathLike, model: str = "bpe",
+                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[Path]:
+    """Train a byte-level ``model`` (bpe or unigram) tokenizer of at most ``vocab_size``
+    tokens on ``documents`` and write it into ``out_dir`` as Hugging Face files.
+
+    Text is split as GPT-2 and RoBERTa split it and every UTF-8 byte is one of the 256
+    base symbols, so any text encodes with no unknown token and decodes back exactly.
+    ``<s> <pad> </s> <unk> <mask>`` take ids 0-4 (fairseq's order, as in the built-in
+    corpus's dictionary). The tokenizer adds no special tokens itself; ``tokenizer_config.json``
+    marks it as trained here, so a checkpoint's copy adds its task's (:func:`save_tokenizer`).
+    BPE training is deterministic; unigram training can order tied pieces differently
+    from run to run.
+    """
+    check_tokenizer_training(model, vocab_size)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    common = {"vocab_size": vocab_size, "special_tokens": list(TRAINED_SPECIALS), "show_progress": False,
+              "initial_alphabet": pre_tokenizers.ByteLevel.alphabet()}
+    if model == "bpe":
+        tokenizer, trainer = Tokenizer(models.BPE()), trainers.BpeTrainer(**common)
+    else:
+        tokenizer, trainer = Tokenizer(models.Unigram()), trainers.UnigramTrainer(unk_token=UNK_SYMBOL, **common)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(documents, trainer)
+
+    roles = {"bos_token": BOS_SYMBOL, "eos_token": EOS_SYMBOL, "pad_token": PAD_SYMBOL,
+             "unk_token": UNK_SYMBOL, "mask_token": MASK_SYMBOL}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **roles,
+        # A "</s>" typed in a document is text, as prepare encodes it.
+        "split_special_tokens": True,
+        # The default clean-up would change decoded text (" ." -> ".").
+        "clean_up_tokenization_spaces": False,
+        TRAINED_KEY: {"model": model, "vocab_size": vocab_size},
+    }
+    out = Path(out_dir)
+    paths = [out / TOKENIZER_FILE, *(out / name for name in CONFIG_FILES)]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(paths[0]))
+        paths[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        paths[2].write_text(json.dumps(roles, indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write the tokenizer files into {out} ({err.strerror})") from None
+    return paths
+
+
 def save_tokenizer(vocabulary: Vocabulary, out_dir: str | os.PathLike, task: str) -> list[Path]:
     """Hugging Face tokenizer files for the vocabulary a model was trained with.
 
-    An :class:`HFVocabulary` copies its tokenizer's files; a byte-level :class:`Dictionary`
-    (the built-in corpus's) writes the equivalent tokenizer (see
+    An :class:`HFVocabulary` copies its tokenizer's files; one that :func:`train_tokenizer`
+    made then adds the special tokens the data pipeline puts around a document for
+    ``task``, as the byte-level tokenizer does. A byte-level :class:`Dictionary` (the
+    built-in corpus's) writes the equivalent tokenizer (see
     :func:`distlm.data.tokenizer.write_hf_tokenizer`). Any other ``dict.txt`` vocabulary
     has no tokenizer distlm knows of: a ``UsageError``.
     """
-    if isinstance(vocabulary, HFVocabulary):
-        return vocabulary.copy_tokenizer_files(out_dir)
-    return write_hf_tokenizer(vocabulary, out_dir, task)
+    if not isinstance(vocabulary, HFVocabulary):
+        return write_hf_tokenizer(vocabulary, out_dir, task)
+    copied = vocabulary.copy_tokenizer_files(out_dir)
+    if TRAINED_KEY in read_config_file(vocabulary.tokenizer_dir / CONFIG_FILES[0]):
+        path = Path(out_dir) / TOKENIZER_FILE
+        try:
+            tokenizer = json.loads(path.read_text(encoding="utf-8"))
+            ids = {BOS_SYMBOL: vocabulary.bos(), EOS_SYMBOL: vocabulary.eos()}
+            tokenizer["post_processor"] = task_post_processor(task, ids)
+            path.write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as err:
+            raise UsageError(f"cannot add {task}'s special tokens to {path} ({err.strerror})") from None
+    return copied

@@ -1,9 +1,15 @@
-"""``python -m distlm.data.prepare --tokenizer HF_DIR --input FILE ... --out DIR``: text to training data.
+"""``python -m distlm.prepare --input FILE ... --out DIR [--tokenizer HF_DIR]``: text to training data.
 
 Tokenizes documents with a Hugging Face tokenizer (``HF_DIR/tokenizer.json``, read offline
 by the ``tokenizers`` library) and writes a directory that ``--data DIR`` trains on:
 ``train.bin/.idx`` and ``valid.bin/.idx`` in Megatron's indexed layout (one sequence per
 document), plus a copy of the tokenizer's files, which give the vocabulary.
+``python -m distlm.data.prepare`` is the same command.
+
+Without ``--tokenizer``, a byte-level BPE (or ``--tokenizer-model unigram``) tokenizer of
+at most ``--vocab-size`` tokens is first trained on the training documents (see
+:func:`distlm.data.hf_tokenizer.train_tokenizer`) and written beside the data; a rerun
+into the same directory replaces the tokenizer it trained there, with all its data.
 
 Input files are plain text, one document per paragraph (paragraphs are separated by
 blank lines), or JSON lines with the document's text under ``--json-key`` (files named
@@ -15,7 +21,7 @@ document (say ``</s>``) is encoded as text. Empty documents are skipped.
 
 ``round(valid_fraction x documents)`` documents (at least one), chosen from ``--seed``
 alone, become the validation split; ``--valid-fraction 0`` writes no validation split.
-The rest keep their input order in the training split.
+The rest keep their input order in the training split, and only they train a tokenizer.
 """
 
 from __future__ import annotations
@@ -23,13 +29,26 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from distlm.data.hf_tokenizer import TOKENIZER_FILE, HFVocabulary, copy_tokenizer_files, load_tokenizer
+from distlm.choices import TOKENIZER_MODELS
+from distlm.data.hf_tokenizer import (
+    CONFIG_FILES,
+    DEFAULT_VOCAB_SIZE,
+    TOKENIZER_FILE,
+    TRAINED_KEY,
+    HFVocabulary,
+    check_tokenizer_training,
+    copy_tokenizer_files,
+    load_tokenizer,
+    read_config_file,
+    train_tokenizer,
+)
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
 from distlm.errors import OneLineErrorParser, UsageError
 
@@ -98,14 +117,25 @@ def _json_text(line: str, key: str, path: Path, line_number: int) -> str:
     return text
 
 
-def check_out_vocabulary(out: Path, tokenizer_dir: Path) -> None:
+def check_out_vocabulary(out: Path, tokenizer_dir: Path | None) -> None:
     """Refuse an ``out`` that already holds another vocabulary: training reads a ``dict.txt``
-    before a tokenizer, and an export would ship the tokenizer found there."""
+    before a tokenizer, and an export would ship the tokenizer found there. A tokenizer is
+    about to be trained when ``tokenizer_dir`` is None: it may replace only one trained there
+    before, whose files and data are all rewritten."""
+    source = "the tokenizer to train" if tokenizer_dir is None else f"the tokenizer of {tokenizer_dir}"
     if (out / "dict.txt").exists():
         raise UsageError(f"--out {out} holds a dict.txt (a fairseq vocabulary), which training would read instead "
-                         f"of the tokenizer of {tokenizer_dir}; name a new or empty directory")
-    existing, ours = out / TOKENIZER_FILE, tokenizer_dir / TOKENIZER_FILE
-    if existing.is_file() and ours.is_file() and existing.read_bytes() != ours.read_bytes():
+                         f"of {source}; name a new or empty directory")
+    existing = out / TOKENIZER_FILE
+    if not existing.is_file():
+        return
+    if tokenizer_dir is None:
+        if TRAINED_KEY not in read_config_file(out / CONFIG_FILES[0]):
+            raise UsageError(f"--out {out} holds the data of a tokenizer not trained by distlm.prepare; name a new "
+                             f"or empty directory, or pass that tokenizer with --tokenizer {out}")
+        return
+    ours = tokenizer_dir / TOKENIZER_FILE
+    if ours.is_file() and existing.read_bytes() != ours.read_bytes():
         raise UsageError(f"--out {out} holds the data of another tokenizer ({TOKENIZER_FILE} differs from "
                          f"{tokenizer_dir}'s); name a new or empty directory")
 
@@ -145,15 +175,21 @@ def choose_valid_documents(num_documents: int, valid_fraction: float, seed: int)
 
 
 def prepare(
-    tokenizer_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None,
     inputs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
     json_key: str | None = None,
     valid_fraction: float = 0.01,
     seed: int = 1,
     progress: bool = True,
+    tokenizer_model: str = TOKENIZER_MODELS[0],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> dict:
-    """Tokenize ``inputs`` into ``out_dir`` (see the module docstring); return per-split counts."""
+    """Tokenize ``inputs`` into ``out_dir`` (see the module docstring); return per-split counts.
+
+    ``tokenizer_dir`` None trains a ``tokenizer_model`` tokenizer of at most ``vocab_size``
+    tokens on the training documents first.
+    """
     if not 0.0 <= valid_fraction < 1.0:
         raise UsageError(f"--valid-fraction {valid_fraction} must be in [0, 1)")
     if seed < 0:
@@ -163,14 +199,13 @@ def prepare(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; name a directory to write the data into")
-    check_out_vocabulary(out, Path(tokenizer_dir))
+    check_out_vocabulary(out, None if tokenizer_dir is None else Path(tokenizer_dir))
+    if tokenizer_dir is None:
+        check_tokenizer_training(tokenizer_model, vocab_size)
+    else:
+        loaded = _load_tokenizer(Path(tokenizer_dir))  # a bad tokenizer is refused before the text is read
     paths = [Path(path) for path in inputs]
     started = time.perf_counter()
-    tokenizer = load_tokenizer(tokenizer_dir)
-    vocabulary = HFVocabulary.load(tokenizer_dir, tokenizer=tokenizer)
-    eos = vocabulary.require("eos", "prepare (to end every document)")
-    # A "</s>" typed in a document is text, not the end of the document.
-    tokenizer.encode_special_tokens = True
 
     # First pass: count (and validate) every document before anything is written.
     num_documents = sum(1 for _ in all_documents(paths, json_key))
@@ -178,6 +213,33 @@ def prepare(
         raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and --json-key")
     is_valid = choose_valid_documents(num_documents, valid_fraction, seed)
 
+    if tokenizer_dir is not None:
+        stats = _write_data(Path(tokenizer_dir), loaded, paths, json_key, is_valid, out, progress)
+    else:
+        with tempfile.TemporaryDirectory(prefix="distlm-tokenizer-") as trained:
+            training = (doc for doc, held_out in zip(all_documents(paths, json_key), is_valid) if not held_out)
+            train_tokenizer(training, trained, tokenizer_model, vocab_size)
+            stats = _write_data(Path(trained), _load_tokenizer(Path(trained)), paths, json_key, is_valid, out,
+                                progress)
+        stats["trained"] = tokenizer_model
+    stats["seconds"] = time.perf_counter() - started
+    return stats
+
+
+def _load_tokenizer(tokenizer_dir: Path) -> tuple:
+    """The tokenizer of ``tokenizer_dir`` set to encode documents, its vocabulary and its eos id."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    vocabulary = HFVocabulary.load(tokenizer_dir, tokenizer=tokenizer)
+    eos = vocabulary.require("eos", "prepare (to end every document)")
+    # A "</s>" typed in a document is text, not the end of the document.
+    tokenizer.encode_special_tokens = True
+    return tokenizer, vocabulary, eos
+
+
+def _write_data(tokenizer_dir: Path, loaded: tuple, paths: list[Path], json_key: str | None, is_valid: np.ndarray,
+                out: Path, progress: bool) -> dict:
+    """The second pass: every document encoded into its split under ``out``, then the tokenizer's files."""
+    tokenizer, vocabulary, eos = loaded
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -195,7 +257,12 @@ def prepare(
             for suffix in (".bin", ".idx"):
                 Path(builder.prefix + suffix).unlink(missing_ok=True)
         raise
-    stats: dict = {"documents": num_documents, "dtype": dtype.name}
+    previous, ours = out / TOKENIZER_FILE, tokenizer_dir / TOKENIZER_FILE
+    if previous.is_file() and not previous.samefile(ours) and previous.read_bytes() != ours.read_bytes():
+        # A tokenizer trained here before: gone before its data is replaced, so that a run
+        # stopped in between leaves a directory no training reads, not data under the wrong tokenizer.
+        previous.unlink()
+    stats: dict = {"documents": len(is_valid), "dtype": dtype.name, "vocab_size": len(vocabulary)}
     for split, builder in builders.items():
         builder.finish()
         for suffix in (".bin", ".idx"):
@@ -206,7 +273,6 @@ def prepare(
             (out / f"valid{suffix}").unlink(missing_ok=True)  # an earlier run's, which no longer belongs
     stats["tokens"] = sum(stats[split]["tokens"] for split in splits)
     copy_tokenizer_files(tokenizer_dir, out)
-    stats["seconds"] = time.perf_counter() - started
     return stats
 
 
@@ -242,13 +308,15 @@ def _write_batch(
     return number
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m distlm.data.prepare") -> int:
     parser = OneLineErrorParser(
-        prog="python -m distlm.data.prepare",
-        description="Tokenize text or JSON-lines files with a Hugging Face tokenizer into a directory that "
-        "--data trains on (train/valid .bin/.idx in Megatron's layout, plus the tokenizer's files).",
+        prog=prog,
+        description="Tokenize text or JSON-lines files into a directory that --data trains on (train/valid "
+        ".bin/.idx in Megatron's layout, plus the tokenizer's files), with a Hugging Face tokenizer or, "
+        "without --tokenizer, one trained on the text.",
     )
-    parser.add_argument("--tokenizer", required=True, metavar="HF_DIR", help="Hugging Face tokenizer directory")
+    parser.add_argument("--tokenizer", metavar="HF_DIR",
+                        help="Hugging Face tokenizer directory (default: train one on the training documents)")
     parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="text or JSON-lines files")
     parser.add_argument("--out", required=True, metavar="DIR", help="output data directory")
     parser.add_argument(
@@ -258,12 +326,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the validation choice (default 1)")
+    parser.add_argument("--tokenizer-model", choices=TOKENIZER_MODELS,
+                        help=f"without --tokenizer: the byte-level tokenizer to train (default {TOKENIZER_MODELS[0]})")
+    parser.add_argument("--vocab-size", type=int,
+                        help=f"without --tokenizer: the trained tokenizer's largest size (default {DEFAULT_VOCAB_SIZE})")
+    command = prog.split()[-1]
     try:
         args = parser.parse_args(argv)
-        stats = prepare(args.tokenizer, args.input, args.out, args.json_key, args.valid_fraction, args.seed)
+        training = {"tokenizer_model": args.tokenizer_model, "vocab_size": args.vocab_size}
+        given = [f"--{name.replace('_', '-')}" for name, value in training.items() if value is not None]
+        if args.tokenizer is not None and given:
+            raise UsageError(f"{' and '.join(given)} set the tokenizer trained without --tokenizer; drop "
+                             f"{'them' if len(given) > 1 else 'it'} or --tokenizer {args.tokenizer}")
+        stats = prepare(args.tokenizer, args.input, args.out, args.json_key, args.valid_fraction, args.seed,
+                        **{name: value for name, value in training.items() if value is not None})
     except UsageError as exc:
-        print(f"distlm.data.prepare: error: {exc}", file=sys.stderr)
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return UsageError.exit_code
+    if "trained" in stats:
+        print(f"tokenizer: {stats['trained']}, {stats['vocab_size']} tokens, trained on the training split and "
+              f"written to {args.out}")
     for split in SPLITS:
         if split in stats:
             print(f"{split}: {stats[split]['documents']} documents, {stats[split]['tokens']} tokens ({stats['dtype']})")

@@ -81,6 +81,31 @@ class ByteTokenizer:
         return values[values >= 0].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
+def task_post_processor(task: str, ids: dict[str, int]) -> dict:
+    """The ``post_processor`` of a ``tokenizer.json`` (a TemplateProcessing) that adds the
+    special tokens distlm's data pipeline puts around one document for ``task``: ``<s> A </s>``
+    for masked_lm (a sample starts with ``<s>``, each document ends in ``</s>``), ``A </s>``
+    for causal_lm. ``ids`` maps ``<s>`` and ``</s>`` to their ids."""
+    if task not in TASKS:
+        raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    bos, eos = BOS_SYMBOL, EOS_SYMBOL
+    if task == "masked_lm":
+        single, pair = [bos, "A", eos], [bos, "A", eos, eos, "B", eos]
+    else:
+        single, pair = ["A", eos], ["A", eos, "B", eos]
+
+    def pieces(template: list[str]) -> list[dict]:  # "A" and "B" are the sequences, the rest special tokens
+        return [{"Sequence" if piece in "AB" else "SpecialToken": {"id": piece, "type_id": 0}} for piece in template]
+
+    used = [bos, eos] if task == "masked_lm" else [eos]
+    return {
+        "type": "TemplateProcessing",
+        "single": pieces(single),
+        "pair": pieces(pair),
+        "special_tokens": {symbol: {"id": symbol, "ids": [ids[symbol]], "tokens": [symbol]} for symbol in used},
+    }
+
+
 def write_hf_tokenizer(dictionary: Dictionary, out_dir: str | os.PathLike, task: str) -> list[Path]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
     for the byte-level ``dictionary``, and return their paths.
@@ -107,26 +132,28 @@ def write_hf_tokenizer(dictionary: Dictionary, out_dir: str | os.PathLike, task:
             f"the dictionary holds {len(others)} symbols that are not bytes (e.g. {others[0]!r}); only a byte-level "
             f"dictionary can be written as a Hugging Face tokenizer, copy the tokenizer your data was made with"
         )
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-    except ImportError:
-        raise UsageError(
-            "writing Hugging Face tokenizer files needs the tokenizers package; pip install tokenizers"
-        ) from None
-
     ids = {symbol: index for index, symbol in enumerate(dictionary.symbols)}
-    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token=UNK_SYMBOL, byte_fallback=True))
-    specials = [symbol for symbol in (*SPECIAL_SYMBOLS, MASK_SYMBOL) if symbol in ids]
-    tokenizer.add_special_tokens([AddedToken(symbol, special=True, normalized=False) for symbol in specials])
-    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    specials = sorted((ids[symbol], symbol) for symbol in (*SPECIAL_SYMBOLS, MASK_SYMBOL) if symbol in ids)
     bos, eos = BOS_SYMBOL, EOS_SYMBOL
-    if task == "masked_lm":
-        single, pair, template_tokens = f"{bos} $A {eos}", f"{bos} $A {eos} {eos} $B {eos}", [bos, eos]
-    else:
-        single, pair, template_tokens = f"$A {eos}", f"$A {eos} $B {eos}", [eos]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=[(symbol, ids[symbol]) for symbol in template_tokens]
-    )
+    # tokenizer.json is written as JSON rather than through the tokenizers package, so the
+    # default run (installed without the hf extra) carries its tokenizer too.
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": index, "content": symbol, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for index, symbol in specials
+        ],
+        "normalizer": None,
+        "pre_tokenizer": None,
+        "post_processor": task_post_processor(task, ids),
+        "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": UNK_SYMBOL, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": ids, "merges": []},
+    }
 
     special_tokens_map = {"bos_token": bos, "eos_token": eos, "pad_token": PAD_SYMBOL, "unk_token": UNK_SYMBOL}
     if MASK_SYMBOL in ids:
@@ -145,7 +172,7 @@ def write_hf_tokenizer(dictionary: Dictionary, out_dir: str | os.PathLike, task:
     paths = [out / "tokenizer.json", out / "tokenizer_config.json", out / "special_tokens_map.json"]
     try:
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(str(paths[0]))
+        paths[0].write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
         paths[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         paths[2].write_text(json.dumps(special_tokens_map, indent=2) + "\n", encoding="utf-8")
     except OSError as err:
