@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import os
 import sys
 import time
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Sequence
 
 
 class UsageError(Exception):
@@ -30,11 +31,28 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def did_you_mean(given: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` with the known name nearest to ``given``; empty when none is near."""
+    nearest = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    return f" (did you mean {nearest[0]}?)" if nearest else ""
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; distlm promises one line and exit status 2."""
+    """argparse prints usage plus a message; distlm promises one line and exit status 2,
+    and names the nearest known flag for a mistyped one."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse's own parse_args is parse_known_args plus this refusal, without the suggestion.
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = [option for option in self._option_string_actions if option.startswith("--")]
+            named = [word + (did_you_mean(word.split("=", 1)[0], flags) if word.startswith("-") else "")
+                     for word in unknown]
+            raise UsageError(f"unrecognized arguments: {' '.join(named)}")
+        return parsed
 
 
 def whole_number_list(flag: str) -> Callable[[str], list[int]]:
