@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from distlm.config import TrainConfig, parse_args
-from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
+from distlm.errors import UsageError, exit_without_teardown, print_last_line, rank_from_environment, report_usage_error
 from distlm.signals import exit_status
 
 ERROR_PREFIX = "distlm: error: "
@@ -54,7 +54,7 @@ def train(config: TrainConfig, rank: int) -> int:
         if trainer.stop.agreed:
             status = exit_status(trainer.stop.agreed[0])
             if is_main:
-                print(f"distlm: {trainer.stop_line()}", file=sys.stderr, flush=True)
+                print_last_line(f"distlm: {trainer.stop_line()}", status, rank)
             return status
     except KeyboardInterrupt:
         return interrupted_before_training(rank)
@@ -63,12 +63,12 @@ def train(config: TrainConfig, rank: int) -> int:
     except DivergenceError as exc:
         # Every rank meets it at the same update; rank 0's line is enough.
         if is_main:
-            print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+            print_last_line(f"{ERROR_PREFIX}{exc}", 1, rank)
         return 1
     except (DistributedInitError, CollectiveFailure, ReplicaDrift) as exc:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+        print_last_line(f"{ERROR_PREFIX}{exc}", 1, rank)
         return 1
     finally:
         shutdown()
@@ -79,7 +79,7 @@ def interrupted_before_training(rank: int) -> int:
     """Ctrl-C before training started (the Trainer takes SIGINT over while it trains)."""
     status = exit_status(signal.SIGINT)
     if rank == 0:
-        print("distlm: SIGINT before training started; nothing saved", file=sys.stderr, flush=True)
+        print_last_line("distlm: SIGINT before training started; nothing saved", status, rank)
     return status
 
 
