@@ -22,5 +22,16 @@ setup(
         # aws-parallelcluster's own schema. It brings the AWS CDK (about 100 packages, 160 MB).
         "cluster": ["aws-parallelcluster>=3.16"],
     },
-    entry_points={"console_scripts": ["distlm-train=distlm.train:run"]},
+    # One command per `python -m distlm.*` tool, as fairseq has fairseq-train, fairseq-preprocess, ...
+    entry_points={"console_scripts": [
+        "distlm-train=distlm.train:run",
+        "distlm-run=distlm.run:main",
+        "distlm-export=distlm.export:main",
+        "distlm-prepare=distlm.prepare:main",
+        "distlm-doctor=distlm.doctor.cli:run",
+        "distlm-plan=distlm.plan.__main__:main",
+        "distlm-bench=distlm.bench.__main__:run",
+        "distlm-parity=distlm.parity.__main__:main",
+        "distlm-report=distlm.report:main",
+    ]},
 )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence, get_type_hints
 
 from distlm.choices import CHOICES
-from distlm.errors import OneLineErrorParser, UsageError
+from distlm.errors import OneLineErrorParser, UsageError, did_you_mean
 
 
 @dataclass
@@ -573,7 +573,7 @@ def _apply(config: TrainConfig, section: str | None, name: str, raw: Any, origin
         hints = {key: hint for key, hint in hints.items() if key not in SECTIONS}
     if name not in hints:
         where = f" in [{section}]" if section else ""
-        raise UsageError(f"{origin}: unknown setting {name!r}{where}")
+        raise UsageError(f"{origin}: unknown setting {name!r}{where}{did_you_mean(name, list(hints))}")
     if origin.startswith("--config"):
         where = f"{origin}: [{section}] {name}" if section else f"{origin}: {name}"
         value = _check_toml_value(hints[name], raw, where)

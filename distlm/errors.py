@@ -4,17 +4,20 @@ Anything the user can fix (a flag, a file, a degree) raises ``UsageError`` with 
 one-line message that names the setting and the fix. The entry points
 (``distlm.train``, ``distlm.doctor``, ``distlm.bench``) turn it into that line on
 stderr and exit status 2 with ``report_usage_error``, so users never see a torch
-traceback for their own mistakes.
+traceback for their own mistakes. Under ``distlm-run`` the line goes to the launcher,
+which prints the first failing rank's (``print_last_line``).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
+import json
 import os
 import sys
 import time
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, Sequence
 
 
 class UsageError(Exception):
@@ -30,11 +33,28 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def did_you_mean(given: str, known: Sequence[str]) -> str:
+    """`` (did you mean X?)`` with the known name nearest to ``given``; empty when none is near."""
+    nearest = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    return f" (did you mean {nearest[0]}?)" if nearest else ""
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus a message; distlm promises one line and exit status 2."""
+    """argparse prints usage plus a message; distlm promises one line and exit status 2,
+    and names the nearest known flag for a mistyped one."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse's own parse_args is parse_known_args plus this refusal, without the suggestion.
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = [option for option in self._option_string_actions if option.startswith("--")]
+            named = [word + (did_you_mean(word.split("=", 1)[0], flags) if word.startswith("-") else "")
+                     for word in unknown]
+            raise UsageError(f"unrecognized arguments: {' '.join(named)}")
+        return parsed
 
 
 def whole_number_list(flag: str) -> Callable[[str], list[int]]:
@@ -77,8 +97,32 @@ def report_usage_error(prefix: str, exc: UsageError, rank: int) -> int:
     later) and return the exit status for bad input."""
     if rank != 0:
         time.sleep(SECOND_REPORTER_DELAY_SEC)
-    print(f"{prefix}{'' if rank == 0 else f'rank {rank}: '}{exc}", file=sys.stderr, flush=True)
+    print_last_line(f"{prefix}{'' if rank == 0 else f'rank {rank}: '}{exc}", UsageError.exit_code, rank)
     return UsageError.exit_code
+
+
+LAST_LINE_DIR = "DISTLM_LAST_LINE_DIR"
+"""Set by ``distlm-run`` (distlm/run.py) for its workers: a directory of its own where each
+worker leaves the line it ends with, so that the launcher prints the first failing rank's
+line once, after torchrun's output, instead of each worker printing it among torchrun's."""
+
+
+def print_last_line(line: str, status: int, rank: int) -> None:
+    """Print the one line a process ends with (an error, a stop) on stderr; under ``distlm-run``,
+    hand it and the process's exit ``status`` to the launcher instead (see ``LAST_LINE_DIR``)."""
+    directory = os.environ.get(LAST_LINE_DIR)
+    if directory:
+        record = {"line": line, "status": status, "rank": rank, "pid": os.getpid(), "ppid": os.getppid(),
+                  "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), "time": time.time()}
+        path = os.path.join(directory, f"{record['attempt']}-{rank}-{os.getpid()}.json")
+        try:
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)  # the launcher never reads half a record
+            return
+        except OSError:
+            pass  # the launcher's directory is gone or full: the line is printed here instead, not lost
+    print(line, file=sys.stderr, flush=True)
 
 
 def exit_without_teardown(status: int) -> NoReturn:

@@ -1,7 +1,9 @@
 """Entry point: ``torchrun -m distlm.train``, ``srun``/``mpiexec python -m distlm.train``, or plain ``python``.
 
 Bad input ends the run with one line on stderr and exit status 2, before anything
-distributed starts where possible; everything else is the Trainer's.
+distributed starts where possible; everything else is the Trainer's. The command line is
+parsed and checked before torch, the models or the data are imported, so ``--help`` and a
+refused flag answer at once instead of after seconds of imports.
 """
 
 from __future__ import annotations
@@ -11,57 +13,81 @@ import signal
 import sys
 from typing import Sequence
 
-from distlm.backends.base import DistributedInitError
-from distlm.config import parse_args
-from distlm.distributed import CollectiveFailure, shutdown
-from distlm.divergence import DivergenceError
-from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
-from distlm.parallel.replicas import ReplicaDrift
+from distlm.config import TrainConfig, parse_args
+from distlm.errors import UsageError, exit_without_teardown, print_last_line, rank_from_environment, report_usage_error
+from distlm.python_api import LOG_FORMAT
 from distlm.signals import StoppedBeforeTraining, exit_status
-from distlm.trainer import Trainer
+
+ERROR_PREFIX = "distlm: error: "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     rank = rank_from_environment()
-    is_main = rank == 0
     logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     try:
         config = parse_args(argv)
+    except KeyboardInterrupt:
+        return interrupted_before_training(rank)
+    except UsageError as exc:
+        return report_usage_error(ERROR_PREFIX, exc, rank)
+    return train(config, rank)
+
+
+def train(config: TrainConfig, rank: int) -> int:
+    """Train with a parsed ``config``; the exit status."""
+    try:
+        from distlm.backends.base import DistributedInitError
+        from distlm.distributed import CollectiveFailure, shutdown
+        from distlm.divergence import DivergenceError
+        from distlm.parallel.replicas import ReplicaDrift
+        from distlm.trainer import Trainer
+    except KeyboardInterrupt:  # the imports take seconds
+        return interrupted_before_training(rank)
+
+    is_main = rank == 0
+    try:
         trainer = Trainer(config)
         trainer.precompile() if config.compile.precompile else trainer.fit()
         if trainer.stop.agreed:
+            status = exit_status(trainer.stop.agreed[0])
             if is_main:
-                print(f"distlm: {trainer.stop_line()}", file=sys.stderr, flush=True)
-            return exit_status(trainer.stop.agreed[0])
+                print_last_line(f"distlm: {trainer.stop_line()}", status, rank)
+            return status
     except KeyboardInterrupt:
-        # Ctrl-C before training started (the Trainer takes SIGINT over while it trains).
-        if is_main:
-            print("distlm: SIGINT before training started; nothing saved", file=sys.stderr, flush=True)
-        return exit_status(signal.SIGINT)
+        return interrupted_before_training(rank)
     except StoppedBeforeTraining as exc:
         # A stop signal while a tracker started (the Trainer had taken the signals over).
+        status = exit_status(exc.signum)
         if is_main:
-            print(f"distlm: {exc}", file=sys.stderr, flush=True)
-        return exit_status(exc.signum)
+            print_last_line(f"distlm: {exc}", status, rank)
+        return status
     except UsageError as exc:
-        return report_usage_error("distlm: error: ", exc, rank)
+        return report_usage_error(ERROR_PREFIX, exc, rank)
     except DivergenceError as exc:
         # Every rank meets it at the same update; rank 0's line is enough.
         if is_main:
-            print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+            print_last_line(f"{ERROR_PREFIX}{exc}", 1, rank)
         return 1
     except (DistributedInitError, CollectiveFailure, ReplicaDrift) as exc:
         # Start-up and collective failures already carry a one-line explanation naming
         # the ranks; every rank prints its own, since each may see a different peer fail.
-        print(f"distlm: error: {exc}", file=sys.stderr, flush=True)
+        print_last_line(f"{ERROR_PREFIX}{exc}", 1, rank)
         return 1
     finally:
         shutdown()
     return 0
+
+
+def interrupted_before_training(rank: int) -> int:
+    """Ctrl-C before training started (the Trainer takes SIGINT over while it trains)."""
+    status = exit_status(signal.SIGINT)
+    if rank == 0:
+        print_last_line("distlm: SIGINT before training started; nothing saved", status, rank)
+    return status
 
 
 def run() -> None:

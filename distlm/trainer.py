@@ -67,14 +67,18 @@ class Trainer:
             config.model, config.data.tokens_per_sample)
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
+        # Each rank checks the ids of its share of every split's file, and all learn every verdict.
+        scan = SharedScan(self.ctx.rank, self.ctx.world_size, self.ctx.all_gather_object)
+        # The data before the save dir: a run refused for its --data leaves no save dir or lock behind.
+        self.data = train_data if train_data is not None else load_split(config, "train", self.task, None, scan)
+        subsets = {} if train_data is not None else load_validation_subsets(
+            config, self.task, list(self.data.dictionary.symbols), scan)
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
+        if resume is not None and resume.dictionary is not None and train_data is None:
+            self.data.check_symbols(resume.dictionary)
         self.observer = Observer(config, self.ctx, resume.meta if resume is not None else None)
-        # Each rank checks the ids of its share of every split's file, and all learn every verdict.
-        scan = SharedScan(self.ctx.rank, self.ctx.world_size, self.ctx.all_gather_object)
-        self.data = train_data if train_data is not None else load_split(
-            config, "train", self.task, resume.dictionary if resume else None, scan)
         self.precision = Precision.from_config(config.precision_mode, config.precision)
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
@@ -105,8 +109,6 @@ class Trainer:
         check_global_batch(self.sampler, len(self.data), config.data.batch_size, config.data.update_freq)
         if train_data is not None and not config.data.disable_validation and self.ctx.is_main:
             logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
-        subsets = {} if train_data is not None else load_validation_subsets(
-            config, self.task, list(self.data.dictionary.symbols), scan)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
                                    self.model_inputs.masked_positions)

@@ -136,9 +136,10 @@ SPECIAL = ("auto", "cpu")
 
 # Imports of optional packages belong inside the function that needs them; what may never
 # hide inside a function is an import of distlm itself (a cycle, or a layering problem).
-# The package's lazy attributes are the one exception: `import distlm.data` in a data
-# worker must not load the trainer.
-_LAZY_BY_DESIGN = {("__init__.py", "__getattr__")}
+# The exceptions: the package's lazy attributes (`import distlm.data` in a data worker must
+# not load the trainer) and the entry point's training, which loads torch, the models and the
+# data only once the command line is parsed, so that --help and a refused flag answer at once.
+_LAZY_BY_DESIGN = {("__init__.py", "__getattr__"), ("train.py", "train")}
 
 
 def test_no_module_of_distlm_imports_distlm_inside_a_function():

@@ -25,5 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return importlib.import_module(SUITES[argv[0]]).main(argv[1:])
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """``python -m distlm.bench`` and the ``distlm-bench`` command."""
     exit_without_teardown(main())
+
+
+if __name__ == "__main__":
+    run()

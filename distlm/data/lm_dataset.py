@@ -115,6 +115,10 @@ class LMData:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def check_symbols(self, symbols: Sequence[str]) -> None:
+        """UsageError unless ``symbols`` (the list a checkpoint stores) are this data's vocabulary."""
+        _check_same_symbols(list(symbols), self.dictionary, Path(self.tokens.prefix).parent, self.task)
+
     def sample(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, targets)`` of one sample as int64 arrays of equal length."""
         block = self.blocks[index]
@@ -207,10 +211,9 @@ def load_lm_data(
         raise UsageError(
             f"data path {directory} has no {split}.idx/.bin for split {split!r}; expected {_EXPECTED_LAYOUT}"
         )
-    source = directory / "dict.txt" if isinstance(data_vocabulary, Dictionary) else directory / "tokenizer.json"
     for given in (dictionary, symbols):
         if given is not None:
-            _check_same_symbols(list(getattr(given, "symbols", given)), data_vocabulary.symbols, source, task)
+            _check_same_symbols(list(getattr(given, "symbols", given)), data_vocabulary, directory, task)
     if dictionary is not None and isinstance(data_vocabulary, Dictionary):
         data_vocabulary = dictionary
 
@@ -261,7 +264,10 @@ def load_vocabulary(path: str | os.PathLike | None, task: str) -> Vocabulary:
     raise UsageError(f"data path {directory} has neither dict.txt nor tokenizer.json; expected {_EXPECTED_LAYOUT}")
 
 
-def _check_same_symbols(given: list[str], expected: list[str], source: Path, task: str) -> None:
+def _check_same_symbols(given: list[str], vocabulary: Vocabulary, directory: Path, task: str) -> None:
+    """``given`` (a checkpoint's symbols) must be the data directory's ``vocabulary``, symbol for symbol."""
+    source = directory / "dict.txt" if isinstance(vocabulary, Dictionary) else directory / "tokenizer.json"
+    expected = vocabulary.symbols
     if len(given) != len(expected):
         raise UsageError(
             f"the given dictionary has {len(given)} symbols but {source} gives {len(expected)} "
