@@ -33,6 +33,7 @@ from distributed import run_distributed
 from distlm import checkpoint, export
 from distlm.checkpoint import Checkpointer, CheckpointReader
 from distlm.checkpoint.directory import commit, incomplete, recover
+from distlm.checkpoint.lock import GUARD_FILE
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.errors import UsageError
@@ -49,8 +50,9 @@ SUBPROCESS_TIMEOUT = 240
 
 
 def saved_names(save_dir: Path) -> list[str]:
-    """What a save dir holds besides the run record (run.json), which every run writes."""
-    return sorted(p.name for p in save_dir.iterdir() if p.name != RUN_JSON)
+    """What a save dir holds besides what every run leaves there: the run record (run.json)
+    and its lock's guard file (the lock itself is gone once a run ends)."""
+    return sorted(p.name for p in save_dir.iterdir() if p.name not in (RUN_JSON, GUARD_FILE))
 
 
 def train_args(data: str, save_dir: Path | str, max_update: int, layout: list[str] = (), batch: int = BATCH,
