@@ -21,6 +21,7 @@ setup(
         # Tests only: tests/test_examples.py loads examples/parallelcluster/*.yaml through
         # aws-parallelcluster's own schema. It brings the AWS CDK (about 100 packages, 160 MB).
         "cluster": ["aws-parallelcluster>=3.16"],
+        "docs": ["mkdocs-material>=9"],
     },
     # One command per `python -m distlm.*` tool, as fairseq has fairseq-train, fairseq-preprocess, ...
     entry_points={"console_scripts": [

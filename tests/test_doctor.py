@@ -217,6 +217,15 @@ def test_one_process_prints_json_and_leaves_the_save_dir_as_it_was(tmp_path, cap
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last"]
 
 
+def test_without_save_dir_the_training_default_is_checked(tmp_path, monkeypatch, capsys):
+    """The job without --save-dir writes checkpoints/MODEL; the doctor probes that directory."""
+    monkeypatch.chdir(tmp_path)
+    assert parse_doctor_args(["--arch", "llama_tiny"])[1].checkpoint.save_dir == "checkpoints/llama_tiny"
+    assert main(["--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {check["name"]: check["status"] for check in report["checks"]}["save dir"] == "PASS"
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [

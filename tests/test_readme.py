@@ -62,7 +62,8 @@ def test_second_command_installs_openmpi_and_the_test_extras_and_runs_pytest(rea
     assert rest == TESTS
     assert PIN in words
     extras = words[words.index("-e") + 1]
-    assert extras.startswith(".[") and {"test", "mpi"} <= set(extras[2:-1].split(","))
+    # docs: tests/test_docs.py builds the site with mkdocs-material.
+    assert extras.startswith(".[") and {"test", "mpi", "docs"} <= set(extras[2:-1].split(","))
     # The MPI tests run under Debian's OpenMPI, installed by the same command.
     assert "apt-get install -y openmpi-bin libopenmpi-dev" in readme_commands[1]
 

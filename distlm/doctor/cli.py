@@ -12,7 +12,7 @@ from typing import NoReturn, Sequence
 
 from distlm.backends import resolve_device
 from distlm.backends.hardware import instance_type
-from distlm.config import TrainConfig, parse_args
+from distlm.config import TrainConfig, default_save_dir, parse_args
 from distlm.distributed import shutdown
 from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
@@ -148,6 +148,9 @@ def parse_doctor_args(argv: Sequence[str] | None = None) -> tuple[DoctorOptions,
     args, training_argv = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     # The doctor's timeout goes through training's parser, so it is checked by the same rule.
     config = parse_args([*training_argv, "--timeout-sec", args.timeout_sec])
+    if config.checkpoint.save_dir is None:
+        # The directory the job writes without --save-dir (checkpoints/MODEL), as the Trainer fills it in.
+        config.checkpoint.save_dir = default_save_dir(config)
     cluster, source = args.cluster, "--cluster"
     if cluster is None and os.environ.get(ENV_CLUSTER):
         cluster, source = os.environ[ENV_CLUSTER], ENV_CLUSTER
