@@ -297,7 +297,8 @@ class LoggingConfig:
     log_interval: int = 10
     """Log training statistics every N updates."""
     log_file: str | None = None
-    """Also append the log lines (JSON unless --log-format simple) to this file (rank 0)."""
+    """Also append rank 0's lines to this file: its log lines from the start (launcher, data, model) and the
+    records (JSON unless --log-format simple)."""
     tensorboard_logdir: str | None = None
     """Write TensorBoard events here (rank 0); a resumed run continues them (extra: trackers)."""
     wandb_project: str | None = None

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def observed_run(data_dir, tmp_path_factory):
         "--max-valid-steps", "1", "--log-format", "json",
         "--tensorboard-logdir", str(root / "tb"), "--wandb-project", "distlm-test", "--wandb-run-name", "observed",
         "--mlflow-tracking-uri", f"file:{root / 'mlruns'}", "--log-file", str(root / "train.log"),
-        "--profile-steps", "2:3",
+        "--profile-steps", "2:3", "--lr", "1e-9", "--lr-scheduler", "fixed", "--warmup-updates", "0",
     ]
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
     first = run_distributed(observed_fit, 2, common + ["--max-update", "4"], True, env=env, timeout=240)
@@ -113,15 +114,59 @@ def last_train_lines(lines: list[dict]) -> dict[int, dict]:
     return {line["update"]: line for line in lines if line["kind"] == "train"}
 
 
-def test_log_file_holds_the_stdout_lines_of_both_runs(observed_run):
+def test_log_file_holds_the_stdout_and_log_lines_of_both_runs(observed_run):
+    """As fairseq's log file: the records and rank 0's log lines, the start-up lines included."""
     root = observed_run["root"]
     assert observed_run["second"][0]["resumed_at"] == 2
     stdout = observed_run["first"][0]["stdout"] + observed_run["second"][0]["stdout"]
     expected = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert (root / "train.log").read_text().splitlines() == expected
+    lines = (root / "train.log").read_text().splitlines()
+    assert [line for line in lines if line.startswith("{")] == expected
+    logged = []  # [time, level, logger, message] of each log line; a message may go on over lines
+    for line in lines:
+        if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \| ", line):
+            logged.append(line.split(" | ", 3))
+        elif not line.startswith("{"):
+            logged[-1][-1] += "\n" + line
+    assert all(len(parts) == 4 and parts[2] == "distlm" for parts in logged), logged
+    messages = observed_run["first"][0]["messages"] + observed_run["second"][0]["messages"]
+    assert [f"{level} {message}" for _, level, _, message in logged] == messages
+    assert messages[0].startswith("INFO launcher ") and any(m.startswith("INFO model: ") for m in messages)
+    # Each run's start-up lines come before its first record.
+    first_record = lines.index(expected[0])
+    assert any(line.endswith("starting from seed 1") for line in lines[:first_record])
     assert observed_run["first"][1]["stdout"] == ""  # rank 1 prints nothing
     report = [m for m in observed_run["second"][0]["messages"] if "distlm.report" in m]
     assert report == [f"INFO pictures of this run: python -m distlm.report {root / 'train.log'} --out {root / 'report'}"]
+    # The resume onto one rank says so in words, not Python dicts.
+    assert ("INFO layout changed (world 2, dp 2 x tp 1 -> world 1, dp 1 x tp 1): dropout RNG reseeded by "
+            "data-parallel rank") in observed_run["second"][0]["messages"]
+
+
+def test_numbers_in_log_lines_keep_their_significant_digits(observed_run):
+    lines = json_lines((observed_run["root"] / "train.log").read_text())
+    assert {line["lr"] for line in lines if line["kind"] == "train"} == {1e-09}
+    # An MFU, gradient norm or rate far below 1 keeps its digits; rounding to decimals made them 0.0.
+    from distlm.metrics import TrainStats
+
+    stats = TrainStats(flops_per_token=1.0, peak_flops_per_device=1e30)
+    stats.add(torch.tensor(3.0), 4, 4, 1)
+    mfu = stats.reduce(None)["mfu"]
+    assert 0 < mfu < 1e-5 and mfu == float(f"{mfu:.4g}")
+
+
+def test_simple_format_is_key_value_pairs_with_no_python_reprs(observed_run):
+    from distlm.metrics import Printer
+
+    lines = json_lines((observed_run["root"] / "train.log").read_text())
+    summary = next(line for line in lines if line["kind"] == "summary")
+    summary["mfu"] = None  # unknown on some devices: null, as in the JSON line
+    text = Printer("simple", None, False).line({k: v for k, v in summary.items() if k != "kind"}, "summary")
+    assert not set("{}[]'\"") & set(text), text
+    kind, *pairs = text.split(" | ")
+    fields = dict(pair.split(" ", 1) for pair in pairs)
+    assert kind == "summary" and fields["mfu"] == "null" and fields["lr"] == "1e-09"
+    assert fields["memory_bytes_per_rank.1.total_bytes"] == str(summary["memory_bytes_per_rank"][1]["total_bytes"])
 
 
 def test_tensorboard_events_equal_the_json_lines_with_no_repeated_update(observed_run):
