@@ -128,6 +128,11 @@ class DataConfig:
     """Samples per validation batch per data-parallel rank; default: --batch-size."""
 
 
+def valid_subsets(data: DataConfig) -> list[str]:
+    """The splits of --valid-subset in order; the first is the one the best checkpoint follows."""
+    return [name for name in (part.strip() for part in data.valid_subset.split(",")) if name]
+
+
 @dataclass
 class OptimConfig:
     optimizer: str = "adam"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
-from distlm.config import TrainConfig
+from distlm.config import TrainConfig, valid_subsets
 from distlm.data import SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
@@ -48,8 +48,7 @@ def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] |
     settings = config.data
     if settings.disable_validation:
         return {}
-    return {name: load_split(config, name, task, symbols, scan)
-            for name in (part.strip() for part in settings.valid_subset.split(",")) if name}
+    return {name: load_split(config, name, task, symbols, scan) for name in valid_subsets(settings)}
 
 
 class Validator:

@@ -188,10 +188,13 @@ def test_tensorboard_events_equal_the_json_lines_with_no_repeated_update(observe
         assert [e.value for e in events] == [pytest.approx(expected[s][key], rel=1e-6) for s in steps], key
     valid = [line for line in lines if line["kind"] == "valid"]
     assert [line["update"] for line in valid] == [4, 6]  # the end of each run
-    events = accumulator.Scalars("valid/valid/loss")
+    events = accumulator.Scalars("valid/loss")
     assert [e.step for e in events] == [6]  # the first run's update 4 was purged with its train lines
     assert events[0].value == pytest.approx(valid[-1]["loss"], rel=1e-6)
-    assert "train/update" not in tags and "train/kind" not in tags
+    # fairseq's names: train/KEY, and valid/KEY for the --valid-subset that the best checkpoint follows.
+    numbers = {key for line in lines if line["kind"] == "train" for key, value in line.items()
+               if isinstance(value, (int, float)) and key != "update"}
+    assert set(tags) == {f"train/{key}" for key in numbers} | {"valid/loss", "valid/ppl", "valid/best_loss"}
 
 
 def wandb_records(path: Path):
@@ -255,6 +258,7 @@ def test_mlflow_file_store_holds_config_and_metrics_and_is_resumed(observed_run)
     assert checkpoint_meta["trackers"]["mlflow"] == run.info.run_id
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3, 4, 5, 6]  # none repeated
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "valid/loss")) == [4, 6]
     lines = last_train_lines(json_lines((root / "train.log").read_text()))
     assert {m.step: m.value for m in history}[6] == lines[6]["loss"]
 
@@ -403,8 +407,11 @@ def test_report_reads_fairseq_train_inner_and_valid_records():
     assert [p["update"] for p in run.train] == list(range(5, 61, 5))
     assert [(p["update"], p["subset"]) for p in run.valid] == [(20, "valid"), (40, "valid"), (60, "valid")]
     assert run.valid[-1]["loss"] == 10.44
+    # Only an extra validation subset has its name in the tag, as fairseq's valid/loss.
     # Tokens seen: fairseq's words per batch times the updates of each interval.
     assert run.train[1]["tokens"] == run.train[0]["wpb"] * 5 + run.train[1]["wpb"] * 5
+    assert record_tags({"subset": "valid", "update": 3, "loss": 1.5}, "valid") == {"valid/loss": 1.5}
+    assert record_tags({"subset": "test", "loss": 1.5}, "valid", main_subset="test") == {"valid/loss": 1.5}
 
 
 def test_run_json_records_software_config_launch_and_hardware(observed_run):
