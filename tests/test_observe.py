@@ -289,11 +289,24 @@ def test_slowed_rank_is_named(observed_run):
     assert len(waits) == 1 and f"rank {SLOW_RANK}" in waits[0] and "--num-workers" in waits[0]
 
 
-def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path):
+def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
     from matplotlib.image import imread
 
+    legends = {}
+    save = Figure.savefig
+
+    def saving(figure, path, *args, **kwargs):
+        legends[Path(path).name] = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        return save(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", saving)
     out = tmp_path / "report"
     assert main_report([str(observed_run["root"] / "train.log"), str(FAIRSEQ_LOG), "--out", str(out)]) == 0
+    # Each log once and each kind once: a log named train.log read "train (distlm) train".
+    runs = ["train.log (distlm)", f"{FAIRSEQ_LOG.name} (fairseq)"]
+    assert legends["loss_vs_updates.png"] == legends["loss_vs_tokens.png"] == runs + ["train", "valid"]
+    assert legends["tokens_per_s.png"] == legends["lr.png"] == runs
     pictures = sorted(out.glob("*.png"))
     names = {p.name for p in pictures}
     assert {"loss_vs_updates.png", "loss_vs_tokens.png", "tokens_per_s.png", "mfu.png", "lr.png", "gnorm.png"} <= names
@@ -394,8 +407,11 @@ def test_failing_tracker_is_one_warning_and_the_others_go_on(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "recorder failed (OSError: No space left on device); training goes on without it"]
     assert working.seen == [(1, {"train/loss": 2.0}), (2, {"train/loss": 2.0})]
+    # Only an extra validation subset has its name in the tag, as fairseq's valid/loss.
     assert record_tags({"subset": "test", "update": 3, "loss": 1.5, "best_loss": 1.5}, "valid") == {
         "valid/test/loss": 1.5, "valid/test/best_loss": 1.5}
+    assert record_tags({"subset": "valid", "update": 3, "loss": 1.5}, "valid") == {"valid/loss": 1.5}
+    assert record_tags({"subset": "test", "loss": 1.5}, "valid", main_subset="test") == {"valid/loss": 1.5}
 
 
 def test_report_reads_fairseq_train_inner_and_valid_records():
@@ -407,11 +423,8 @@ def test_report_reads_fairseq_train_inner_and_valid_records():
     assert [p["update"] for p in run.train] == list(range(5, 61, 5))
     assert [(p["update"], p["subset"]) for p in run.valid] == [(20, "valid"), (40, "valid"), (60, "valid")]
     assert run.valid[-1]["loss"] == 10.44
-    # Only an extra validation subset has its name in the tag, as fairseq's valid/loss.
     # Tokens seen: fairseq's words per batch times the updates of each interval.
     assert run.train[1]["tokens"] == run.train[0]["wpb"] * 5 + run.train[1]["wpb"] * 5
-    assert record_tags({"subset": "valid", "update": 3, "loss": 1.5}, "valid") == {"valid/loss": 1.5}
-    assert record_tags({"subset": "test", "loss": 1.5}, "valid", main_subset="test") == {"valid/loss": 1.5}
 
 
 def test_run_json_records_software_config_launch_and_hardware(observed_run):
