@@ -135,6 +135,9 @@ def test_log_file_holds_the_stdout_and_log_lines_of_both_runs(observed_run):
     # Each run's start-up lines come before its first record.
     first_record = lines.index(expected[0])
     assert any(line.endswith("starting from seed 1") for line in lines[:first_record])
+    from distlm.observe.observer import LogFile
+
+    assert not any(isinstance(h, LogFile) for h in logging.getLogger("distlm").handlers)  # the run's end took it off
     assert observed_run["first"][1]["stdout"] == ""  # rank 1 prints nothing
     report = [m for m in observed_run["second"][0]["messages"] if "distlm.report" in m]
     assert report == [f"INFO pictures of this run: python -m distlm.report {root / 'train.log'} --out {root / 'report'}"]
