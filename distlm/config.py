@@ -149,7 +149,7 @@ class OptimConfig:
     """Learning rate at the end of polynomial decay (and the floor of cosine)."""
     power: float = 1.0
     """Exponent of polynomial decay."""
-    max_update: int = 100
+    max_update: int = 50
     """Stop after this many updates (0: no limit)."""
     max_epoch: int = 0
     """Stop after this many passes over the training data (0: no limit)."""
@@ -300,7 +300,7 @@ class LoggingConfig:
     log_format: str | None = None
     """json|simple|tqdm; default: tqdm on a terminal, json otherwise."""
     log_interval: int = 10
-    """Log training statistics every N updates."""
+    """Log training statistics every N updates, and at the first update of a run."""
     log_file: str | None = None
     """Also append rank 0's lines to this file: its log lines from the start (launcher, data, model) and the
     records (JSON unless --log-format simple)."""

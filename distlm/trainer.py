@@ -200,7 +200,10 @@ class Trainer:
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
                   record.pop("samples"))
         printer.progress()
-        if (applied and self.progress.num_updates % self.config.logging.log_interval == 0) or self._done():
+        # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
+        # the loss within seconds, not after --log-interval updates.
+        due = self.progress.num_updates % self.config.logging.log_interval == 0 or stats.first is None
+        if (applied and due) or self._done():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
                             "gnorm": significant(record["gnorm"], 4),
                             "train_wall": significant(self.progress.train_wall, 5),
