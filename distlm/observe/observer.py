@@ -83,8 +83,9 @@ class LogFile(logging.Handler):
             with self.path.open("a") as file:
                 file.write(line + "\n")
         except OSError as err:
+            # Off before the warning, which comes back here; the handler stays on the logger
+            # (taking it off inside a handler would skip the next handler for this line).
             path, self.path = self.path, None
-            stop_log_file()  # before the warning, which this handler would take otherwise
             logger.warning("--log-file %s: cannot write (%s); training goes on without it", path, err.strerror or err)
             return False
         return True
