@@ -90,7 +90,7 @@ class TrainStats:
         tokens_per_s = input_tokens / seconds
         return {"wps": significant(tokens_per_s, 5), "ups": significant(updates / seconds, 4),
                 "tokens_per_sec_per_device": significant(tokens_per_s / self.devices, 5),
-                "mfu": significant(self.mfu(tokens_per_s), 4)}
+                "mfu": significant(self.mfu(tokens_per_s), 5)}
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOP/s over the peak of every device; None when the model's FLOPs or the

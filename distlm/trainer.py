@@ -205,7 +205,7 @@ class Trainer:
         due = self.progress.num_updates % self.config.logging.log_interval == 0 or stats.first is None
         if (applied and due) or self._done():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
-                            "gnorm": significant(record["gnorm"], 4),
+                            "gnorm": significant(record["gnorm"], 5),
                             "train_wall": significant(self.progress.train_wall, 5),
                             **self.observer.interval_fields()}
             printer.log(self.summary)
