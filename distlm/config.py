@@ -128,6 +128,11 @@ class DataConfig:
     """Samples per validation batch per data-parallel rank; default: --batch-size."""
 
 
+def valid_subsets(data: DataConfig) -> list[str]:
+    """The splits of --valid-subset in order; the first is the one the best checkpoint follows."""
+    return [name for name in (part.strip() for part in data.valid_subset.split(",")) if name]
+
+
 @dataclass
 class OptimConfig:
     optimizer: str = "adam"
@@ -144,7 +149,7 @@ class OptimConfig:
     """Learning rate at the end of polynomial decay (and the floor of cosine)."""
     power: float = 1.0
     """Exponent of polynomial decay."""
-    max_update: int = 100
+    max_update: int = 50
     """Stop after this many updates (0: no limit)."""
     max_epoch: int = 0
     """Stop after this many passes over the training data (0: no limit)."""
@@ -295,9 +300,10 @@ class LoggingConfig:
     log_format: str | None = None
     """json|simple|tqdm; default: tqdm on a terminal, json otherwise."""
     log_interval: int = 10
-    """Log training statistics every N updates."""
+    """Log training statistics every N updates, and at the first update of a run."""
     log_file: str | None = None
-    """Also append the log lines (JSON unless --log-format simple) to this file (rank 0)."""
+    """Also append rank 0's lines to this file: its log lines from the start (launcher, data, model) and the
+    records (JSON unless --log-format simple)."""
     tensorboard_logdir: str | None = None
     """Write TensorBoard events here (rank 0); a resumed run continues them (extra: trackers)."""
     wandb_project: str | None = None

@@ -192,9 +192,18 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
-        logger.info("%s; device %s, layout %sdp %d x tp %d, strategy %s", env.describe(), device,
-                    f"pp {dims.pp} x " if dims.pp_enabled else "", dims.dp, dims.tp, dims.strategy)
+        logger.info("%s; device %s, layout %s, strategy %s", env.describe(), device, describe_layout(context.layout),
+                    dims.strategy)
     return context
+
+
+def describe_layout(layout: Any) -> str:
+    """A layout (``DistContext.layout``) as the log lines say it, ``pp 2 x dp 1 x tp 1``;
+    ``unrecorded`` for what a checkpoint holds that is not one."""
+    if not isinstance(layout, dict) or not layout:
+        return "unrecorded"
+    first = [name for name in ("pp", "dp", "tp") if name in layout]
+    return " x ".join(f"{name} {layout[name]}" for name in first + sorted(set(layout) - set(first)))
 
 
 def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
-from distlm.config import TrainConfig
+from distlm.config import TrainConfig, valid_subsets
 from distlm.data import SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
-from distlm.metrics import LN2, perplexity
+from distlm.metrics import LN2, perplexity, significant
 
 logger = logging.getLogger("distlm")
 
@@ -48,8 +48,7 @@ def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] |
     settings = config.data
     if settings.disable_validation:
         return {}
-    return {name: load_split(config, name, task, symbols, scan)
-            for name in (part.strip() for part in settings.valid_subset.split(",")) if name}
+    return {name: load_split(config, name, task, symbols, scan) for name in valid_subsets(settings)}
 
 
 class Validator:
@@ -171,7 +170,7 @@ class Validator:
 
     def log_records(self, results: list[ValidationResult], progress: TrainProgress) -> list[dict[str, Any]]:
         return [
-            {"subset": r.subset, "update": progress.num_updates, "loss": round(r.loss, 4), "ppl": round(r.ppl, 2),
-             f"best_{self.metric}": None if progress.best is None else round(progress.best, 4)}
+            {"subset": r.subset, "update": progress.num_updates, "loss": significant(r.loss), "ppl": significant(r.ppl),
+             f"best_{self.metric}": significant(progress.best)}
             for r in results
         ]

@@ -11,7 +11,7 @@ import logging
 import math
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -77,8 +77,8 @@ class TrainStats:
         loss = values["loss_sum"] / max(values["target_tokens"], 1) / LN2
         rates = self._rates(*interval)
         return {
-            "loss": round(loss, 4),
-            "ppl": round(perplexity(loss), 2),
+            "loss": significant(loss),
+            "ppl": significant(perplexity(loss)),
             "wps": rates["wps"],
             "ups": rates["ups"],
             "bsz": values["samples"] / max(self.updates, 1),
@@ -88,9 +88,9 @@ class TrainStats:
 
     def _rates(self, input_tokens: float, updates: int, seconds: float) -> dict[str, float | None]:
         tokens_per_s = input_tokens / seconds
-        return {"wps": round(tokens_per_s, 1), "ups": round(updates / seconds, 3),
-                "tokens_per_sec_per_device": round(tokens_per_s / self.devices, 1),
-                "mfu": _rounded(self.mfu(tokens_per_s))}
+        return {"wps": significant(tokens_per_s, 5), "ups": significant(updates / seconds, 4),
+                "tokens_per_sec_per_device": significant(tokens_per_s / self.devices, 5),
+                "mfu": significant(self.mfu(tokens_per_s), 5)}
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOP/s over the peak of every device; None when the model's FLOPs or the
@@ -114,8 +114,13 @@ class TrainStats:
         self._start_interval()
 
 
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 5)
+def significant(value: float | None, digits: int = 6) -> float | None:
+    """``value`` rounded to ``digits`` significant digits, as the log lines show numbers: a
+    learning rate of 1e-9 or an MFU of 3e-6 keeps its digits where rounding to decimals
+    printed 0.0; None, inf and nan stay as they are."""
+    if value is None or not math.isfinite(value):
+        return value
+    return float(f"{value:.{digits}g}")
 
 
 def mfu_inputs(
@@ -195,4 +200,31 @@ class Printer:
 
 
 def _simple(kind: str, record: dict) -> str:
-    return f"{kind} | " + " | ".join(f"{k} {v}" for k, v in record.items())
+    """``kind | key value | ...`` as fairseq's simple format prints, with no Python reprs: a
+    nested value is one pair per leaf (``memory_bytes_per_rank.0.total_bytes 123``), a list
+    of plain values one comma-separated value (an empty one ``none``), None ``null``, a bool
+    ``true``/``false``."""
+    return " | ".join([kind, *(f"{key} {text}" for name, value in record.items() for key, text in _pairs(name, value))])
+
+
+def _pairs(key: str, value: Any) -> Iterator[tuple[str, str]]:
+    if isinstance(value, (dict, list, tuple)) and not value:
+        yield key, "none"
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _pairs(f"{key}.{name}", item)
+    elif isinstance(value, (list, tuple)) and any(isinstance(item, (dict, list, tuple)) for item in value):
+        for index, item in enumerate(value):
+            yield from _pairs(f"{key}.{index}", item)
+    elif isinstance(value, (list, tuple)):
+        yield key, ",".join(_plain(item) for item in value)
+    else:
+        yield key, _plain(value)
+
+
+def _plain(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)  # a number as its shortest digits (inf, nan included), text as it is

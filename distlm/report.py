@@ -42,6 +42,8 @@ PLOTS = (
     ("gnorm.png", "Gradient norm", "gnorm", [("train", "gnorm")], True),
     ("loss_scale.png", "Loss scale (fp16)", "loss scale", [("train", "loss_scale")], True),
 )
+# A log's lines share its colour; train and validation differ by line style.
+_STYLES = {"train": {"linestyle": "-", "marker": None}, "valid": {"linestyle": "--", "marker": "o"}}
 
 
 @dataclass
@@ -57,7 +59,7 @@ class RunLog:
 
 def read_log(path: Path) -> RunLog:
     """The train and validation points of a distlm or fairseq JSON log."""
-    run = RunLog(path.stem, "distlm")
+    run = RunLog(path.name, "distlm")
     fairseq_seen = False
     for number, line in enumerate(_log_lines(path), start=1):
         if _nesting_depth(line) > MAX_JSON_DEPTH:
@@ -217,19 +219,18 @@ def write_report(runs: list[RunLog], out: Path) -> list[Path]:
     for name, title, ylabel, series, log_scale in PLOTS:
         x_key = "tokens" if "tokens" in name else "update"
         figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=80)
-        drawn = False
+        drawn_runs: dict[int, RunLog] = {}
+        drawn_kinds: list[str] = []
         for index, run in enumerate(runs):
-            color = f"C{index % 10}"
             for kind, key in series:
                 points = [p for p in getattr(run, kind) if key in p and p[key] == p[key]]  # nan != nan
                 if not points:
                     continue
-                label = f"{run.label} ({run.source}) {kind}" if len(series) > 1 else f"{run.label} ({run.source})"
-                axes.plot([p[x_key] for p in points], [p[key] for p in points], color=color,
-                          linestyle="--" if kind == "valid" else "-", marker="o" if kind == "valid" else None,
-                          markersize=3, label=label)
-                drawn = True
-        if not drawn:
+                axes.plot([p[x_key] for p in points], [p[key] for p in points], color=_color(index), markersize=3,
+                          **_STYLES[kind])
+                drawn_runs[index] = run
+                drawn_kinds += [kind] if kind not in drawn_kinds else []
+        if not drawn_runs:
             plt.close(figure)
             continue
         axes.set_title(title)
@@ -238,13 +239,33 @@ def write_report(runs: list[RunLog], out: Path) -> list[Path]:
         if log_scale:
             axes.set_yscale("log")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7)
+        entries = legend_entries(drawn_runs, drawn_kinds)
+        axes.legend([_line(plt, **style) for _, style in entries], [label for label, _ in entries], fontsize=7)
         figure.tight_layout()
         figure.savefig(out / name)
         plt.close(figure)
         written.append(out / name)
     _write_html(runs, written, out / "index.html")
     return written
+
+
+def legend_entries(runs: dict[int, RunLog], kinds: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, line style) of each legend entry: each log once, in its colour, and where a plot
+    has train and validation lines, each kind once, by its line style. A label joining log and
+    kind read "train (distlm) train" for a log named train.log."""
+    entries = [(f"{run.label} ({run.source})", {"color": _color(index), "linestyle": "-"})
+               for index, run in runs.items()]
+    if len(kinds) > 1:
+        entries += [(kind, {"color": "grey", **_STYLES[kind]}) for kind in kinds]
+    return entries
+
+
+def _color(index: int) -> str:
+    return f"C{index % 10}"
+
+
+def _line(plt: Any, **style: Any) -> Any:
+    return plt.Line2D([], [], markersize=3, **style)
 
 
 def _write_html(runs: list[RunLog], pictures: list[Path], path: Path) -> None:
@@ -271,9 +292,9 @@ def _pyplot():
 
 
 def _labels(paths: list[Path]) -> list[str]:
-    """File stems, or whole paths where two logs share a stem."""
-    stems = [p.stem for p in paths]
-    return [stem if stems.count(stem) == 1 else str(p) for stem, p in zip(stems, paths)]
+    """File names, or whole paths where two logs share a name."""
+    names = [p.name for p in paths]
+    return [name if names.count(name) == 1 else str(p) for name, p in zip(names, paths)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

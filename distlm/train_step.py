@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distlm.data.batches import to_device
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.memory import memory_report
+from distlm.metrics import significant
 from distlm.parallel.tp import local_value
 
 logger = logging.getLogger("distlm")
@@ -104,7 +105,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_sum": loss_sum, "target_tokens": local_targets,
         "input_tokens": sum(b["input_count"] for b in micro_batches),
         "samples": sum(len(b["input_ids"]) for b in micro_batches),
-        "lr": float(f"{lr:.6g}"), "gnorm": gnorm_value, "applied": applied,
+        "lr": significant(lr), "gnorm": gnorm_value, "applied": applied,
     }
     if precision.scaler is not None:
         record["loss_scale"] = precision.loss_scale

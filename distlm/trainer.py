@@ -24,8 +24,8 @@ from distlm.data import GlobalBatchSampler, SharedScan, load_split
 from distlm.data.batches import check_global_batch, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.loss import ModelInputs, summed_cross_entropy
-from distlm.metrics import TrainStats, mfu_inputs
-from distlm.observe import Observer, check_observe_settings
+from distlm.metrics import TrainStats, mfu_inputs, significant
+from distlm.observe import Observer, check_observe_settings, start_log_file, stop_log_file
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
 from distlm.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
@@ -59,6 +59,7 @@ class Trainer:
                  dist: DistContext | None = None, states: dict[str, Stateful] | None = None):
         self.config = prepare_config(config, model)
         check_observe_settings(config)
+        start_log_file(config)  # the start-up lines go to --log-file too
         self.ctx = dist if dist is not None else init_distributed(config, model)
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, self.ctx.all_gather_object)
@@ -147,6 +148,7 @@ class Trainer:
             return self._fit()
         finally:
             self.stop.restore()
+            stop_log_file()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
@@ -180,7 +182,7 @@ class Trainer:
         with self.ctx.naming_failed_collectives(self.progress.num_updates):
             final = {**self.summary, **stats.summary_rates(), "update": self.progress.num_updates,
                      "consumed_samples": self.progress.consumed_samples,
-                     "train_wall": round(self.progress.train_wall, 2),
+                     "train_wall": significant(self.progress.train_wall, 5),
                      "memory_bytes_per_rank": self.ctx.all_gather_object(self.last_memory)}
             if self.stop.agreed:
                 final["stopped_by"] = self.stop.describe()
@@ -200,9 +202,13 @@ class Trainer:
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
                   record.pop("samples"))
         printer.progress()
-        if (applied and self.progress.num_updates % self.config.logging.log_interval == 0) or self._done():
+        # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
+        # the loss within seconds, not after --log-interval updates.
+        due = self.progress.num_updates % self.config.logging.log_interval == 0 or stats.first is None
+        if (applied and due) or self._done():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
-                            "gnorm": round(record["gnorm"], 3), "train_wall": round(self.progress.train_wall, 2),
+                            "gnorm": significant(record["gnorm"], 5),
+                            "train_wall": significant(self.progress.train_wall, 5),
                             **self.observer.interval_fields()}
             printer.log(self.summary)
             stats.reset()

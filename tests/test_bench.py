@@ -85,6 +85,8 @@ def test_results_have_the_documented_fields_and_add_up(sweep, data_dir):  # noqa
     vocab = len(Dictionary.load(Path(data_dir) / "dict.txt")) + 1  # + <mask>
     for row in rows:
         assert sorted(row) == sorted(fields), "every field documented, every documented field written"
+        # One thread per rank, 2 ranks at most: the suite's ranks use 2 cores.
+        assert row["load_cores"] == 2 and row["under_load"] == (row["load_average_max"] > 2)
         for name in ("step_time_s", "compute_s", "optimizer_s", "tokens_per_s", "samples_per_s", "efficiency", "mfu",
                      "memory_bytes_per_rank", "flops_per_token", "peak_flops_per_rank", "predicted_step_time_s"):
             assert row[name] > 0, (name, row)
@@ -404,6 +406,31 @@ def hand_built_launch(world_size: int, step: float, tp_degree: int = 1, pp_degre
              "compute_optimizer_s": [], "memory": [{"total_bytes": 1}]}
     return {"spec": spec, "strategies": [times], "peak_flops_per_rank": 1e9, "threads_per_rank": 1,
             "host_cores": 2, "device": "cpu", "torch": "2"}
+
+
+def test_points_measured_under_load_are_marked_as_noise(monkeypatch, capsys):
+    """A 1-minute load average above the cores the suite's ranks use marks the point, its
+    efficiency (above 1 here, as a loaded machine gave) and its planner miss as noise; a load
+    up to those cores, which the suite's own ranks make, marks nothing."""
+    loads = iter([1.5, 2.0, 1.9, 9.3])  # before and after the 1-rank launch, then the 2-rank launch
+    monkeypatch.setattr(os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    one = scaling.with_load(lambda: hand_built_launch(1, 0.5), 2, "1 rank")
+    two = scaling.with_load(lambda: hand_built_launch(2, 0.4), 2, "2 ranks")
+    assert capsys.readouterr().err == (
+        "[2 ranks] under load: the 1-minute load average was 1.90 before and 9.30 after, above the 2 cores the "
+        "suite's ranks use; this launch's times are noise\n")
+    rows = results.point_rows([one, two], {"arch": "roberta_tiny", "mode": "weak", "strategies": ["ddp"]})
+    by_size = {row["world_size"]: row for row in rows}
+    assert [(row["under_load"], row["load_average_max"], row["load_cores"]) for row in rows] == [
+        (False, 2.0, 2), (True, 9.3, 2)]
+    assert by_size[2]["efficiency"] == pytest.approx(1.25)  # per-rank tokens/s above the one rank's
+    by_size[2]["predicted_step_time_s"] = 0.6  # a planner miss of 50 %
+    table = results.markdown_table(rows).splitlines()
+    one_line, two_line = (next(line for line in table if line.startswith(f"| {n} | ddp |")) for n in (1, 2))
+    assert "*" not in one_line
+    assert "| 0.4000* |" in two_line and "| 0.6000 (+50%)* |" in two_line and "| 1.250* |" in two_line
+    assert any(line.startswith("**Noise.** 1 of 2 points were measured under load (1-minute load average up to "
+                               "9.30, above the 2 cores the suite's ranks use)") for line in table), table
 
 
 def test_a_tensor_parallel_point_is_against_the_one_rank_point():

@@ -105,8 +105,8 @@ def test_readme_demo_under_torchrun(tmp_path):
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     train = [r for r in records if r["kind"] == "train"]
     summary = [r for r in records if r["kind"] == "summary"]
-    # Rank 0 alone prints: one line per --log-interval, then one summary.
-    assert [r["update"] for r in train] == [2, 4], proc.stdout
+    # Rank 0 alone prints: a line at the first update and one per --log-interval, then one summary.
+    assert [r["update"] for r in train] == [1, 2, 4], proc.stdout
     assert len(summary) == 1, proc.stdout
     for record in train + summary:
         assert math.isfinite(record["loss"]) and record["loss"] > 0, record

@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def observed_run(data_dir, tmp_path_factory):
         "--max-valid-steps", "1", "--log-format", "json",
         "--tensorboard-logdir", str(root / "tb"), "--wandb-project", "distlm-test", "--wandb-run-name", "observed",
         "--mlflow-tracking-uri", f"file:{root / 'mlruns'}", "--log-file", str(root / "train.log"),
-        "--profile-steps", "2:3",
+        "--profile-steps", "2:3", "--lr", "1e-9", "--lr-scheduler", "fixed", "--warmup-updates", "0",
     ]
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true", "MLFLOW_ALLOW_FILE_STORE": "true"}
     first = run_distributed(observed_fit, 2, common + ["--max-update", "4"], True, env=env, timeout=240)
@@ -113,15 +114,62 @@ def last_train_lines(lines: list[dict]) -> dict[int, dict]:
     return {line["update"]: line for line in lines if line["kind"] == "train"}
 
 
-def test_log_file_holds_the_stdout_lines_of_both_runs(observed_run):
+def test_log_file_holds_the_stdout_and_log_lines_of_both_runs(observed_run):
+    """As fairseq's log file: the records and rank 0's log lines, the start-up lines included."""
     root = observed_run["root"]
     assert observed_run["second"][0]["resumed_at"] == 2
     stdout = observed_run["first"][0]["stdout"] + observed_run["second"][0]["stdout"]
     expected = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert (root / "train.log").read_text().splitlines() == expected
+    lines = (root / "train.log").read_text().splitlines()
+    assert [line for line in lines if line.startswith("{")] == expected
+    logged = []  # [time, level, logger, message] of each log line; a message may go on over lines
+    for line in lines:
+        if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \| ", line):
+            logged.append(line.split(" | ", 3))
+        elif not line.startswith("{"):
+            logged[-1][-1] += "\n" + line
+    assert all(len(parts) == 4 and parts[2] == "distlm" for parts in logged), logged
+    messages = observed_run["first"][0]["messages"] + observed_run["second"][0]["messages"]
+    assert [f"{level} {message}" for _, level, _, message in logged] == messages
+    assert messages[0].startswith("INFO launcher ") and any(m.startswith("INFO model: ") for m in messages)
+    # Each run's start-up lines come before its first record.
+    first_record = lines.index(expected[0])
+    assert any(line.endswith("starting from seed 1") for line in lines[:first_record])
+    from distlm.observe.observer import LogFile
+
+    assert not any(isinstance(h, LogFile) for h in logging.getLogger("distlm").handlers)  # the run's end took it off
     assert observed_run["first"][1]["stdout"] == ""  # rank 1 prints nothing
     report = [m for m in observed_run["second"][0]["messages"] if "distlm.report" in m]
     assert report == [f"INFO pictures of this run: python -m distlm.report {root / 'train.log'} --out {root / 'report'}"]
+    # The resume onto one rank says so in words, not Python dicts.
+    assert ("INFO layout changed (world 2, dp 2 x tp 1 -> world 1, dp 1 x tp 1): dropout RNG reseeded by "
+            "data-parallel rank") in observed_run["second"][0]["messages"]
+
+
+def test_numbers_in_log_lines_keep_their_significant_digits(observed_run):
+    lines = json_lines((observed_run["root"] / "train.log").read_text())
+    assert {line["lr"] for line in lines if line["kind"] == "train"} == {1e-09}
+    # An MFU, gradient norm or rate far below 1 keeps its digits; rounding to decimals made them 0.0.
+    from distlm.metrics import TrainStats
+
+    stats = TrainStats(flops_per_token=1.0, peak_flops_per_device=1e30)
+    stats.add(torch.tensor(3.0), 4, 4, 1)
+    mfu = stats.reduce(None)["mfu"]
+    assert 0 < mfu < 1e-5 and mfu == float(f"{mfu:.5g}")
+
+
+def test_simple_format_is_key_value_pairs_with_no_python_reprs(observed_run):
+    from distlm.metrics import Printer
+
+    lines = json_lines((observed_run["root"] / "train.log").read_text())
+    summary = next(line for line in lines if line["kind"] == "summary")
+    summary["mfu"] = None  # unknown on some devices: null, as in the JSON line
+    text = Printer("simple", None, False).line({k: v for k, v in summary.items() if k != "kind"}, "summary")
+    assert not set("{}[]'\"") & set(text), text
+    kind, *pairs = text.split(" | ")
+    fields = dict(pair.split(" ", 1) for pair in pairs)
+    assert kind == "summary" and fields["mfu"] == "null" and fields["lr"] == "1e-09"
+    assert fields["memory_bytes_per_rank.1.total_bytes"] == str(summary["memory_bytes_per_rank"][1]["total_bytes"])
 
 
 def test_tensorboard_events_equal_the_json_lines_with_no_repeated_update(observed_run):
@@ -143,10 +191,13 @@ def test_tensorboard_events_equal_the_json_lines_with_no_repeated_update(observe
         assert [e.value for e in events] == [pytest.approx(expected[s][key], rel=1e-6) for s in steps], key
     valid = [line for line in lines if line["kind"] == "valid"]
     assert [line["update"] for line in valid] == [4, 6]  # the end of each run
-    events = accumulator.Scalars("valid/valid/loss")
+    events = accumulator.Scalars("valid/loss")
     assert [e.step for e in events] == [6]  # the first run's update 4 was purged with its train lines
     assert events[0].value == pytest.approx(valid[-1]["loss"], rel=1e-6)
-    assert "train/update" not in tags and "train/kind" not in tags
+    # fairseq's names: train/KEY, and valid/KEY for the --valid-subset that the best checkpoint follows.
+    numbers = {key for line in lines if line["kind"] == "train" for key, value in line.items()
+               if isinstance(value, (int, float)) and key != "update"}
+    assert set(tags) == {f"train/{key}" for key in numbers} | {"valid/loss", "valid/ppl", "valid/best_loss"}
 
 
 def wandb_records(path: Path):
@@ -210,6 +261,7 @@ def test_mlflow_file_store_holds_config_and_metrics_and_is_resumed(observed_run)
     assert checkpoint_meta["trackers"]["mlflow"] == run.info.run_id
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3, 4, 5, 6]  # none repeated
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "valid/loss")) == [4, 6]
     lines = last_train_lines(json_lines((root / "train.log").read_text()))
     assert {m.step: m.value for m in history}[6] == lines[6]["loss"]
 
@@ -240,11 +292,24 @@ def test_slowed_rank_is_named(observed_run):
     assert len(waits) == 1 and f"rank {SLOW_RANK}" in waits[0] and "--num-workers" in waits[0]
 
 
-def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path):
+def test_report_draws_a_distlm_and_a_fairseq_log(observed_run, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
     from matplotlib.image import imread
 
+    legends = {}
+    save = Figure.savefig
+
+    def saving(figure, path, *args, **kwargs):
+        legends[Path(path).name] = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+        return save(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", saving)
     out = tmp_path / "report"
     assert main_report([str(observed_run["root"] / "train.log"), str(FAIRSEQ_LOG), "--out", str(out)]) == 0
+    # Each log once and each kind once: a log named train.log read "train (distlm) train".
+    runs = ["train.log (distlm)", f"{FAIRSEQ_LOG.name} (fairseq)"]
+    assert legends["loss_vs_updates.png"] == legends["loss_vs_tokens.png"] == runs + ["train", "valid"]
+    assert legends["tokens_per_s.png"] == legends["lr.png"] == runs
     pictures = sorted(out.glob("*.png"))
     names = {p.name for p in pictures}
     assert {"loss_vs_updates.png", "loss_vs_tokens.png", "tokens_per_s.png", "mfu.png", "lr.png", "gnorm.png"} <= names
@@ -345,8 +410,11 @@ def test_failing_tracker_is_one_warning_and_the_others_go_on(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "recorder failed (OSError: No space left on device); training goes on without it"]
     assert working.seen == [(1, {"train/loss": 2.0}), (2, {"train/loss": 2.0})]
+    # Only an extra validation subset has its name in the tag, as fairseq's valid/loss.
     assert record_tags({"subset": "test", "update": 3, "loss": 1.5, "best_loss": 1.5}, "valid") == {
         "valid/test/loss": 1.5, "valid/test/best_loss": 1.5}
+    assert record_tags({"subset": "valid", "update": 3, "loss": 1.5}, "valid") == {"valid/loss": 1.5}
+    assert record_tags({"subset": "test", "loss": 1.5}, "valid", main_subset="test") == {"valid/loss": 1.5}
 
 
 def test_report_reads_fairseq_train_inner_and_valid_records():

@@ -109,11 +109,12 @@ def test_full_log_disk_unwritable_run_json_and_unreachable_best_effort_tracker_a
         assert main(argv) == 0
     warnings = distlm_warnings(caplog)
     assert len(warnings) == 3, warnings
-    assert warnings[0] == f"{tmp_path / 'ck' / 'run.json'}: not written (Is a directory); training goes on without it"
-    assert warnings[1].startswith(f"--mlflow-tracking-uri {servers.uri('refusing')}: mlflow could not start (")
-    assert "Connection refused" in warnings[1]
-    assert warnings[1].endswith("training goes on without it (--tracker-best-effort)")
-    assert warnings[2] == "--log-file /dev/full: cannot write (No space left on device); training goes on without it"
+    # The log file's first write is the start-up's first line.
+    assert warnings[0] == "--log-file /dev/full: cannot write (No space left on device); training goes on without it"
+    assert warnings[1] == f"{tmp_path / 'ck' / 'run.json'}: not written (Is a directory); training goes on without it"
+    assert warnings[2].startswith(f"--mlflow-tracking-uri {servers.uri('refusing')}: mlflow could not start (")
+    assert "Connection refused" in warnings[2]
+    assert warnings[2].endswith("training goes on without it (--tracker-best-effort)")
     assert not any("pictures of this run" in r.getMessage() for r in caplog.records)  # no log file to draw
     out = capsys.readouterr()
     lines = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]

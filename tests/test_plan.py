@@ -374,9 +374,9 @@ def test_a_device_without_peak_logs_once_and_prints_null_mfu(ec2_product_name, m
 def test_train_and_summary_lines_carry_mfu(data_dir, capsys):  # noqa: F811 - fixture
     """A one-process run on CPU: every train line carries tokens/s per device and an MFU
     against the matmul probe, and the summary the steady state's mean (the intervals after
-    the first, which holds the warm-up): its tokens over its time, so with the same tokens
-    per interval the harmonic mean of those lines' MFUs. The log rounds MFU to 5 decimals,
-    so each comparison allows that rounding unit besides 1e-3 relative."""
+    the first, the first update alone, which holds the warm-up): its tokens over its time, so
+    the harmonic mean of those lines' MFUs weighted by their tokens (their updates). Each
+    comparison allows 1e-3 relative and a rounding unit of the log's MFU."""
     assert train_main([
         "--arch", "roberta_tiny", "--data", data_dir, "--device", "cpu", "--batch-size", "2",
         "--tokens-per-sample", "32", "--sample-break-mode", "none", "--max-update", "6", "--log-interval", "2",
@@ -385,7 +385,7 @@ def test_train_and_summary_lines_carry_mfu(data_dir, capsys):  # noqa: F811 - fi
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     train = [line for line in lines if line["kind"] == "train"]
     summary = next(line for line in lines if line["kind"] == "summary")
-    assert [line["update"] for line in train] == [2, 4, 6]
+    assert [line["update"] for line in train] == [1, 2, 4, 6]
     for line in train:
         assert line["tokens_per_sec_per_device"] == pytest.approx(line["wps"], rel=1e-3)  # one device
         assert line["mfu"] > 0
@@ -394,8 +394,9 @@ def test_train_and_summary_lines_carry_mfu(data_dir, capsys):  # noqa: F811 - fi
         ratio = line["wps"] / train[0]["wps"]
         assert line["mfu"] == pytest.approx(train[0]["mfu"] * ratio, rel=1e-3, abs=1e-5 * (1 + ratio))
     steady = train[1:]
+    updates = [line["update"] - before["update"] for before, line in zip(train, steady)]
     assert summary["rates_over"] == "after_first_interval"
-    harmonic = len(steady) / sum(1 / line["mfu"] for line in steady)
+    harmonic = sum(updates) / sum(n / line["mfu"] for n, line in zip(updates, steady))
     assert summary["mfu"] == pytest.approx(harmonic, rel=1e-3, abs=2e-5)
 
 

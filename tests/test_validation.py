@@ -164,7 +164,7 @@ def test_fairseq_command_line_runs_unchanged_and_builds_fairseqs_model(data_dir,
     assert (config.n_layers, config.dim, config.ffn_dim, config.n_heads) == (2, 128, 512, 2)
     assert main(argv) == 0
     lines = log_lines(capsys)
-    assert [line["update"] for line in lines if line["kind"] == "train"] == [10, 20, 30, 40, 50]
+    assert [line["update"] for line in lines if line["kind"] == "train"] == [1, 10, 20, 30, 40, 50]
     assert not any(line["kind"] == "valid" for line in lines)  # --disable-validation
 
 

@@ -11,6 +11,11 @@ medians of those over the repetitions, and
 
 holds exactly. With one data-parallel replica nothing communicates: compute_s is
 step_time_s - optimizer_s and comm_exposed_s is 0.
+
+A point is ``under_load`` when a 1-minute load average read around one of its launches
+exceeded the cores the suite's ranks use: other work shared them, and its times, its
+efficiency (and that of the points measured against it) and its planner miss are noise;
+results.md marks them so.
 """
 
 from __future__ import annotations
@@ -58,6 +63,12 @@ def series_label(row: dict[str, Any]) -> str:
             + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}")
             + ("" if row.get("pp_degree", 1) == 1 else f" pp{row['pp_degree']}")
             + ("" if row.get("pp_schedule") in (None, "1f1b") else f" {row['pp_schedule']}"))
+
+
+def launch_under_load(launch: dict[str, Any]) -> bool:
+    """Whether a load average read around ``launch`` exceeded the cores the suite's ranks use."""
+    cores = launch.get("load_cores")
+    return cores is not None and any(load is not None and load > cores for load in launch.get("load_average") or ())
 
 
 def launch_summary(times: dict[str, Any]) -> dict[str, float | None]:
@@ -123,6 +134,7 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
         ]
         pp_degree = spec.get("pp_degree", 1)
         pipelined = pp_degree > 1
+        loads = [load for e in entries for load in e["launch"].get("load_average") or () if load is not None]
         rows.append({
             "world_size": world_size,
             "strategy": strategy,
@@ -165,6 +177,9 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "optimizer_bytes": memory.get("optimizer_bytes"),
             "predicted_step_time_s": None,
             "step_time_s_repeats": [s["step"] for s in summaries],
+            "load_average_max": max(loads) if loads else None,
+            "load_cores": launch.get("load_cores"),
+            "under_load": any(launch_under_load(e["launch"]) for e in entries),
             "torch": launch["torch"],
         })
     return with_efficiency(rows)
@@ -224,6 +239,16 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     tokens per update): speedup over the baseline divided by the growth in ranks. Both are
     ``(tokens_per_s / world_size) / (baseline tokens_per_s / baseline world_size)``.
     """
+    baselines = efficiency_baselines(rows)
+    for row in rows:
+        base = baselines[series_key(row)]
+        row["efficiency"] = (row["tokens_per_s"] / row["world_size"]) / (base["tokens_per_s"] / base["world_size"])
+        row["efficiency_baseline_world_size"] = base["world_size"]
+    return rows
+
+
+def efficiency_baselines(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """Each series' (``series_key``) baseline row, as ``with_efficiency`` describes."""
     baselines: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         key = series_key(row)
@@ -236,11 +261,19 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for key, base in list(baselines.items()):
         if model_parallel(base) and baseline_key(base) in plain:
             baselines[key] = plain[baseline_key(base)]
-    for row in rows:
-        base = baselines[series_key(row)]
-        row["efficiency"] = (row["tokens_per_s"] / row["world_size"]) / (base["tokens_per_s"] / base["world_size"])
-        row["efficiency_baseline_world_size"] = base["world_size"]
-    return rows
+    return baselines
+
+
+def load_note(rows: list[dict[str, Any]]) -> str | None:
+    """A sentence on the points measured under load, or None when there are none."""
+    loaded = [row for row in rows if row.get("under_load")]
+    if not loaded:
+        return None
+    highest = max(row["load_average_max"] for row in loaded)
+    return (f"{len(loaded)} of {len(rows)} points were measured under load (1-minute load average up to "
+            f"{highest:.2f}, above the {loaded[0]['load_cores']} cores the suite's ranks use): other work shared "
+            "the cores, so their times, their efficiency and that of the points measured against them, and their "
+            "planner miss are noise, not distlm's scaling (marked * in results.md); rerun them on an idle machine")
 
 
 def bus_factor(method: str, ranks: int) -> float:
@@ -387,16 +420,22 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "| optimizer (s) | predicted step (s) | tokens/s | efficiency | MFU | memory per rank (MiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    baselines = efficiency_baselines(rows)
+    # The planner's compute and optimizer come from the one-rank rows (calibration.jsonl).
+    calibration_loaded = any(row.get("under_load") for row in rows if row["world_size"] == 1)
     for row in sorted(rows, key=lambda r: (r["mode"], series_label(r), r["world_size"])):
-        mfu = f"{row['mfu']:.3f}" if row["mfu"] is not None else "n/a"
+        loaded = "*" if row.get("under_load") else ""
+        base_loaded = "*" if loaded or baselines[series_key(row)].get("under_load") else ""
+        mfu = f"{row['mfu']:.3f}{loaded}" if row["mfu"] is not None else "n/a"
         memory = f"{row['memory_bytes_per_rank'] / 2**20:.1f}" if row["memory_bytes_per_rank"] else "n/a"
         predicted = row.get("predicted_step_time_s")
-        predicted = "n/a" if predicted is None else f"{predicted:.4f} ({predicted / row['step_time_s'] - 1:+.0%})"
+        predicted = "n/a" if predicted is None else (f"{predicted:.4f} ({predicted / row['step_time_s'] - 1:+.0%})"
+                                                     + ("*" if loaded or calibration_loaded else ""))
         lines.append(
             f"| {row['world_size']} | {series_label(row)} | {row['batch_size']} x {row['update_freq']} "
-            f"| {row['global_batch_size']} | {row['step_time_s']:.4f} | {row['compute_s']:.4f} "
-            f"| {row['comm_exposed_s']:.4f} | {row['optimizer_s']:.4f} | {predicted} | {row['tokens_per_s']:.0f} "
-            f"| {row['efficiency']:.3f} | {mfu} | {memory} |"
+            f"| {row['global_batch_size']} | {row['step_time_s']:.4f}{loaded} | {row['compute_s']:.4f}{loaded} "
+            f"| {row['comm_exposed_s']:.4f}{loaded} | {row['optimizer_s']:.4f}{loaded} | {predicted} "
+            f"| {row['tokens_per_s']:.0f}{loaded} | {row['efficiency']:.3f}{base_loaded} | {mfu} | {memory} |"
         )
     lines += [
         "",
@@ -410,4 +449,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "memory: parameters, gradients and optimizer state of the rank holding the most.",
         "",
     ]
+    note = load_note(rows)
+    if note:
+        lines += [f"**Noise.** {note[0].upper()}{note[1:]}. A step, tokens/s or MFU marked * is of such a point, "
+                  "an efficiency marked * is against one (or of one), and a prediction marked * compares with one "
+                  "or was calibrated from a one-rank point that was.", ""]
     return "\n".join(lines)

@@ -14,6 +14,11 @@ sharing the host costs compute and the optimizer step. Inside a launch (torchrun
 mpiexec) it measures that launch's world size in place and merges the points into the
 rows already in ``--out``, so a sweep over several allocations collects in one directory.
 
+Each launch reads the 1-minute load average before and after it. Above the cores the suite's
+ranks use (ranks x threads per rank; the suite's own earlier launches, which the average
+still carries for about a minute, never exceed them), other work shared those cores: the
+point is marked ``under_load`` and results.md calls its figures noise.
+
 ``--out`` receives results.jsonl (one object per point; the fields are documented in
 benchmarks/README.md), results.md, tokens_per_s.png, efficiency.png, step_breakdown.png,
 allreduce.jsonl (the collective probe of each multi-rank layout: plain all-reduce,
@@ -38,6 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from distlm.backends import get_backend
@@ -61,6 +67,28 @@ class LaunchFailed(RuntimeError):
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def load_average() -> float | None:
+    """This host's 1-minute load average; None where the OS keeps none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def with_load(measure: Callable[[], dict[str, Any]], cores: int, label: str | None) -> dict[str, Any]:
+    """``measure()``'s launch with the 1-minute load average read before and after it
+    (``load_average``) and ``load_cores``, the cores the suite's ranks use on this host; with
+    a ``label``, a line when the load exceeded them."""
+    before = load_average()
+    launch = measure()
+    launch["load_average"], launch["load_cores"] = [before, load_average()], cores
+    if label is not None and results.launch_under_load(launch):
+        _say(f"[{label}] under load: the 1-minute load average was {before:.2f} before and "
+             f"{launch['load_average'][1]:.2f} after, above the {cores} cores the suite's ranks use; this launch's "
+             "times are noise")
+    return launch
 
 
 def name_list(flag: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -355,6 +383,7 @@ def run_launches(
 ) -> list[dict[str, Any]]:
     """Every launch once per repetition, world sizes in rotated order, each in its own torchrun."""
     threads = args.threads_per_rank or max(1, host_cores() // max(ranks))
+    cores = threads * max(ranks)  # what the largest launch, and so the suite, runs on
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     launches = []
@@ -374,7 +403,7 @@ def run_launches(
                 _say(f"[{label}] {', '.join(strategies)}: batch {spec.batch_size} x {spec.update_freq} per replica")
                 started = time.perf_counter()
                 stem = raw / f"rep{repeat + 1}_{planned_launch.stem()}"
-                launch = run_torchrun(spec, world_size, threads, stem, label)
+                launch = with_load(lambda: run_torchrun(spec, world_size, threads, stem, label), cores, label)
                 launches.append(launch)
                 _report(launch, label, started)
             if world_size > 1 and args.host_sharing and any(item.tp_degree == item.pp_degree == 1 for item in planned):
@@ -382,7 +411,8 @@ def run_launches(
                 label = f"repetition {repeat + 1}/{args.repeats}, {world_size} one-rank launches at once"
                 _say(f"[{label}] {spec.strategies[0]}: batch {spec.batch_size} x {spec.update_freq} each")
                 started = time.perf_counter()
-                launch = run_concurrent(spec, world_size, threads, raw / f"rep{repeat + 1}_alone{world_size}", label)
+                launch = with_load(lambda: run_concurrent(
+                    spec, world_size, threads, raw / f"rep{repeat + 1}_alone{world_size}", label), cores, label)
                 launches.append(launch)
                 _say(f"[{label}] compute {launch['compute_s']:.4f} s (slowest of {world_size}: "
                      f"{launch['slowest_compute_s']:.4f} s), optimizer {launch['optimizer_s']:.4f} s "
@@ -515,7 +545,10 @@ def run_in_place(args: argparse.Namespace, env: ClusterEnv, planned: list[Launch
                 if env.rank == 0:
                     _say(f"[{label}] {line}")
 
-            launches.append({"spec": asdict(spec), **measure_launch(spec, progress)})
+            # The launch's ranks on this host; each rank reads its own host's load, rank 0's is kept.
+            cores = env.local_world_size * torch.get_num_threads()
+            launches.append(with_load(lambda: {"spec": asdict(spec), **measure_launch(spec, progress)}, cores,
+                                      label if env.rank == 0 else None))
     return launches
 
 

@@ -38,7 +38,7 @@ from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.lock import SaveDirLock
 from distlm.checkpoint.state import ModelState, OptimizerState, RNGState, load_full_optimizer_state
 from distlm.config import CheckpointConfig
-from distlm.distributed import DistContext
+from distlm.distributed import DistContext, describe_layout
 from distlm.errors import UsageError
 from distlm.parallel.full_state import load_full_state_dict
 
@@ -273,7 +273,8 @@ class Checkpointer:
             if not weights_only:
                 logger.info(
                     "layout changed (world %s, %s -> world %d, %s): dropout RNG reseeded by data-parallel rank",
-                    meta.get("world_size"), meta.get("layout"), self.ctx.world_size, self.ctx.layout,
+                    meta.get("world_size"), describe_layout(meta.get("layout")), self.ctx.world_size,
+                    describe_layout(self.ctx.layout),
                 )
         self._saved_at = progress.num_updates
         legacy.read.cache_clear()  # an old single-file checkpoint is read once, not kept for the run

@@ -1,8 +1,9 @@
 """``Observer``: everything that watches a run, behind the few calls the trainer makes.
 
 Rank 0 sends every log record to stdout (the ``Printer``), ``--log-file`` and the
-trackers; every rank times its updates for the straggler fields and runs the profiler
-window. The trainer calls ``next_batch``, ``update`` (around an update), ``computing``
+trackers; ``--log-file`` also holds rank 0's log lines from the start of the run (launcher,
+data, model, where training starts), as fairseq's log file does. Every rank times its
+updates for the straggler fields and runs the profiler window. The trainer calls ``next_batch``, ``update`` (around an update), ``computing``
 and ``waiting_for_peers`` (inside it), ``interval_fields`` (when a train line is due)
 and logs through the observer as it would through the printer.
 
@@ -24,6 +25,7 @@ from distlm.config import TrainConfig
 from distlm.distributed import DistContext
 from distlm.errors import UsageError, rank_from_environment
 from distlm.metrics import Printer
+from distlm.python_api import LOG_FORMAT
 from distlm.observe.profiler import ProfileWindow, parse_profile_steps
 from distlm.observe.stragglers import StepTiming
 from distlm.observe.trackers import Trackers, check_tracker_packages
@@ -59,6 +61,58 @@ def check_observe_settings(config: TrainConfig) -> None:
                              "give a writable directory") from None
 
 
+class LogFile(logging.Handler):
+    """``--log-file`` on rank 0: distlm's log lines as stderr shows them, and the records the
+    observer writes. Opened per line: lines come after the observer closes (the summary, the
+    last checkpoint), and a crash loses no line. A write that fails is one warning, and the
+    file takes no more lines."""
+
+    def __init__(self, path: Path):
+        super().__init__(logging.INFO)
+        self.path = path
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.write(self.format(record))
+
+    def write(self, line: str) -> bool:
+        """Append ``line``; False (after the one warning) if it cannot be written."""
+        if self.path is None:
+            return False
+        try:
+            with self.path.open("a") as file:
+                file.write(line + "\n")
+        except OSError as err:
+            # Off before the warning, which comes back here; the handler stays on the logger
+            # (taking it off inside a handler would skip the next handler for this line).
+            path, self.path = self.path, None
+            logger.warning("--log-file %s: cannot write (%s); training goes on without it", path, err.strerror or err)
+            return False
+        return True
+
+
+_log_file: LogFile | None = None
+"""The one --log-file handler of this process on distlm's logger (a logger is one per process)."""
+
+
+def start_log_file(config: TrainConfig) -> None:
+    """Rank 0 appends distlm's log lines to --log-file from now on (a previous run's file in
+    this process takes no more); call after check_observe_settings, before anything is logged."""
+    global _log_file
+    stop_log_file()
+    if config.logging.log_file is not None and rank_from_environment() == 0:
+        _log_file = LogFile(Path(config.logging.log_file))
+        logger.addHandler(_log_file)
+
+
+def stop_log_file() -> None:
+    """distlm's log lines no longer go to --log-file (the end of a run)."""
+    global _log_file
+    if _log_file is not None:
+        logger.removeHandler(_log_file)
+        _log_file = None
+
+
 class Observer:
     def __init__(self, config: TrainConfig, ctx: DistContext, resume_meta: dict[str, Any] | None):
         self.config, self.ctx = config, ctx
@@ -70,7 +124,7 @@ class Observer:
         self.profile = ProfileWindow(window, directory, ctx.rank, ctx.device.type, settings.memory_snapshot)
         self.printer: Printer | None = None
         self.trackers = Trackers()
-        self.log_file: Path | None = None
+        self.log_file: LogFile | None = None
 
     def start(self, resumed_at: int | None, stop: StopSignals | None = None) -> Observer:
         """Open the outlets (stdout; on rank 0 also run.json, trackers, --log-file); the observer then
@@ -89,8 +143,8 @@ class Observer:
                 logger.warning("%s: not written (%s); training goes on without it", directory / RUN_JSON,
                                err.strerror or err)
         self._open_trackers(resumed_at, stop)
-        if self.ctx.is_main and self.config.logging.log_file is not None:
-            self.log_file = Path(self.config.logging.log_file)
+        if self.ctx.is_main:
+            self.log_file = _log_file  # start_log_file's, unless a write has failed already
         return self
 
     def _open_trackers(self, resumed_at: int | None, stop: StopSignals | None) -> None:
@@ -128,18 +182,13 @@ class Observer:
             return
         self.trackers.log(record, kind)
         if self.log_file is not None:
-            # Opened per line: the summary comes after close(), and a crash loses no line.
-            try:
-                with self.log_file.open("a") as file:
-                    file.write(self.printer.line(record, kind) + "\n")
-            except OSError as err:
-                logger.warning("--log-file %s: cannot write (%s); training goes on without it", self.log_file,
-                               err.strerror or err)
+            path = self.log_file.path
+            if not self.log_file.write(self.printer.line(record, kind)):
                 self.log_file = None
                 return
             if kind == "summary" and self.printer.format != "simple":  # distlm.report reads JSON lines
-                logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(self.log_file)),
-                            shlex.quote(str(self.log_file.parent / "report")))
+                logger.info("pictures of this run: python -m distlm.report %s --out %s", shlex.quote(str(path)),
+                            shlex.quote(str(path.parent / "report")))
 
     def close(self) -> None:
         """End the profiler window, the progress bar and the trackers; lines may still follow."""

@@ -21,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from distlm.metrics import significant
 from distlm.parallel.comm_hooks import all_gather_tensor
 
 logger = logging.getLogger("distlm")
@@ -89,7 +90,7 @@ class StepTiming:
         if self.rank == 0:
             self._check_slow_ranks(steps, median, times, updates)
             self._check_data_wait(times, updates)
-        return {"slowest_rank": slowest, "step_time_max_over_median": round(ratio, 3)}
+        return {"slowest_rank": slowest, "step_time_max_over_median": significant(ratio, 4)}
 
     def _check_slow_ranks(self, steps: list[float], median: float, times: list[list[float]], updates: int) -> None:
         for rank, step in enumerate(steps):

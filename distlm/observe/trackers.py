@@ -1,8 +1,10 @@
 """Experiment trackers as fairseq names them: TensorBoard, Weights & Biases, MLflow.
 
-Rank 0 alone writes. Each log record becomes numbers tagged ``train/<key>`` or
-``valid/<subset>/<key>`` with the update number as the step, the values of the JSON
-line unchanged. A resumed run continues the same TensorBoard directory (events after
+Rank 0 alone writes. Each log record becomes numbers tagged as fairseq names them:
+``train/<key>``, ``valid/<key>`` for the first subset of ``--valid-subset`` (the one the
+best checkpoint follows) and ``valid/<subset>/<key>`` for each other subset, with the
+update number as the step and the values of the JSON line unchanged. TensorBoard, W&B and
+MLflow get the same names. A resumed run continues the same TensorBoard directory (events after
 the checkpoint's update are purged, so no update appears twice) and the same W&B and
 MLflow runs, whose ids the checkpoint keeps.
 
@@ -27,7 +29,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from distlm.config import LoggingConfig, TrainConfig
+from distlm.config import LoggingConfig, TrainConfig, valid_subsets
 from distlm.errors import UsageError, first_line
 from distlm.signals import StoppedBeforeTraining, StopSignals
 
@@ -66,12 +68,15 @@ def _importable(module: str) -> bool:
         return False
 
 
-def record_tags(record: dict[str, Any], kind: str) -> dict[str, float]:
-    """The numbers of one log record under their tracker tags; None and text are left out."""
+def record_tags(record: dict[str, Any], kind: str, main_subset: str = "valid") -> dict[str, float]:
+    """The numbers of one log record under their tracker tags; None and text are left out.
+    ``main_subset``: the first of --valid-subset, whose tags have no subset part (fairseq's
+    ``valid/loss``); an extra subset's are ``valid/<subset>/<key>``."""
     if kind == "train":
         prefix = "train/"
     elif kind == "valid":
-        prefix = f"valid/{record.get('subset', 'valid')}/"
+        subset = record.get("subset", main_subset)
+        prefix = "valid/" if subset == main_subset else f"valid/{subset}/"
     else:
         return {}
     return {prefix + key: float(value) for key, value in record.items()
@@ -198,9 +203,11 @@ def _deepest_cause(err: BaseException) -> str:
 class Trackers:
     """The trackers of one run (rank 0); each failure is one warning and drops that tracker."""
 
-    def __init__(self, trackers: list | None = None, stop: StopSignals | None = None):
+    def __init__(self, trackers: list | None = None, stop: StopSignals | None = None, main_subset: str = "valid"):
         self.trackers = list(trackers or [])
         self.stop = stop
+        self.main_subset = main_subset
+        """The first subset of --valid-subset: its tags are ``valid/<key>``."""
         self._threads: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
         """Threads the trackers started (during a call into them) -> the tracker's name."""
         self._in_flight: tuple[str, set[threading.Thread]] | None = None
@@ -224,7 +231,7 @@ class Trackers:
         if settings.mlflow_tracking_uri is not None:
             wanted.append(("--mlflow-tracking-uri", lambda: MlflowTracker(
                 settings.mlflow_tracking_uri, settings.wandb_run_name, saved_ids.get("mlflow"), whole)))
-        opened = cls(stop=stop)
+        opened = cls(stop=stop, main_subset=next(iter(valid_subsets(config.data)), "valid"))
         if wanted:
             opened._catch_thread_errors()
         for flag, start in wanted:
@@ -254,7 +261,7 @@ class Trackers:
         return {t.name: t.run_id for t in self.trackers if t.run_id is not None}
 
     def log(self, record: dict[str, Any], kind: str) -> None:
-        tags = record_tags(record, kind)
+        tags = record_tags(record, kind, self.main_subset)
         if tags and "update" in record:
             self._each("log", LOG_SEC, tags, int(record["update"]))
 
