@@ -42,11 +42,18 @@ class ValidationResult:
 
 
 def load_validation_subsets(config: TrainConfig, task: str, symbols: list[str] | None,
-                            scan: SharedScan | None = None) -> dict[str, Any]:
+                            scan: SharedScan | None = None, data_given: bool = False,
+                            is_main: bool = False) -> dict[str, Any]:
     """Each split of ``--valid-subset`` (none with ``--disable-validation``), with fixed masks;
-    ``scan``: the ranks that share the check of their ids (a collective)."""
+    ``scan``: the ranks that share the check of their ids (a collective). None either when
+    the Trainer was handed its training data (``data_given``): the valid split of --data
+    belongs to --data, not to that data; rank 0 (``is_main``) says so."""
     settings = config.data
     if settings.disable_validation:
+        return {}
+    if data_given:
+        if is_main:
+            logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
         return {}
     return {name: load_split(config, name, task, symbols, scan) for name in valid_subsets(settings)}
 

@@ -72,8 +72,8 @@ class Trainer:
         scan = SharedScan(self.ctx.rank, self.ctx.world_size, self.ctx.all_gather_object)
         # The data before the save dir: a run refused for its --data leaves no save dir or lock behind.
         self.data = train_data if train_data is not None else load_split(config, "train", self.task, None, scan)
-        subsets = {} if train_data is not None else load_validation_subsets(
-            config, self.task, list(self.data.dictionary.symbols), scan)
+        symbols = list(self.data.dictionary.symbols) if train_data is None else None
+        subsets = load_validation_subsets(config, self.task, symbols, scan, train_data is not None, self.ctx.is_main)
         self.checkpointer = Checkpointer(config.checkpoint, self.ctx, self.arch, self.task)
         self.checkpointer.prepare()
         resume = self.checkpointer.find_resume()
@@ -108,17 +108,15 @@ class Trainer:
             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dims.dp, seed=config.seed,
         )
         check_global_batch(self.sampler, len(self.data), config.data.batch_size, config.data.update_freq)
-        if train_data is not None and not config.data.disable_validation and self.ctx.is_main:
-            logger.info("validation: off, as train_data was given (the valid split of --data belongs to --data)")
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
                                    self.model_inputs.masked_positions)
-        epoch_updates = math.ceil(config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size)
-        self.schedule = LRSchedule(config.optim, updates_in_run=epoch_updates)
+        self.schedule = LRSchedule(config.optim, updates_in_run=math.ceil(
+            config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size))
         self.progress = TrainProgress()
-        self.states = training_states(self.model, self.optimizer, self.precision.scaler, self.progress, self.ctx.rank)
+        self.states = {**training_states(self.model, self.optimizer, self.precision.scaler, self.progress,
+                                         self.ctx.rank), **(states or {})}
         """What a checkpoint holds, by name (``torch.distributed.checkpoint.stateful.Stateful`` objects)."""
-        self.states.update(states or {})
         self.last_memory: dict[str, int] = {}
         self.resumed_at: int | None = None
         """The update this run resumed at; None for a fresh start."""
