@@ -103,6 +103,10 @@ class DataConfig:
     """Maximum tokens per sample (fairseq --tokens-per-sample)."""
     sample_break_mode: str = "complete"
     """How text is cut into samples: none|complete|eos, as in fairseq."""
+    document_mask: bool = False
+    """Causal LM packing (with --sample-break-mode none or complete): a token attends only to earlier tokens of its
+    own document (one sequence of the data files), rotary positions restart at each document, and a document's
+    first token is not predicted from the previous one (torchtitan's document mask)."""
     batch_size: int = 16
     """Samples per micro-batch per data-parallel replica (fairseq --max-sentences)."""
     update_freq: int = 1
@@ -715,6 +719,11 @@ def check_settings(config: TrainConfig) -> None:
         raise UsageError("--finetune-from-model and --restore-file both name a starting checkpoint; give one")
     if config.checkpoint.load_partial and not config.checkpoint.finetune_from_model:
         raise UsageError("--load-partial applies to --finetune-from-model only; name the checkpoint to take weights from")
+    if config.data.document_mask and config.data.task == "masked_lm":
+        raise UsageError("--document-mask is for causal_lm packing; a masked LM attends both ways, drop it")
+    if config.data.document_mask and config.data.sample_break_mode == "eos":
+        raise UsageError("--document-mask with --sample-break-mode eos masks nothing (one document per block); "
+                         "use --sample-break-mode none or complete to pack documents")
     if config.compile.precompile and not config.compile.compile:
         config.compile.compile = True  # precompiling is compiling
 

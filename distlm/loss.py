@@ -47,6 +47,8 @@ def summed_cross_entropy(model: nn.Module, batch: dict[str, torch.Tensor], input
     kwargs = {}
     if inputs.has_padding and "has_padding" in batch:
         kwargs["has_padding"] = batch["has_padding"]
+    if "document_ids" in batch:  # packed blocks with --document-mask (validation refuses models without it)
+        kwargs["document_ids"] = batch["document_ids"]
     if inputs.masked_positions and "masked_positions" in batch:
         positions = batch["masked_positions"]
         logits = model(batch["input_ids"], masked_positions=positions, **kwargs)

@@ -9,6 +9,7 @@ same inputs, so bad input ends the job before any rank waits for another.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -133,6 +134,8 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
             f"--tokens-per-sample {config.data.tokens_per_sample} exceeds {name}'s "
             f"maximum of {model.max_positions} positions; lower --tokens-per-sample"
         )
+    if config.data.document_mask:
+        check_document_mask(model, config, dims, name)
     if dims.tp_enabled:
         validate_tp(
             model, dims.tp, sequence_parallel=config.distributed.sequence_parallel,
@@ -140,6 +143,21 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
         )
     if dims.pp_enabled:
         check_pipeline(model, config, dims, name)
+
+
+def check_document_mask(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, name: str) -> None:
+    """--document-mask needs a causal LM whose forward takes ``document_ids``, on one tensor- and pipeline-parallel rank."""
+    task = config.data.task or getattr(model, "task", None)
+    if task != "causal_lm":
+        raise UsageError(f"--document-mask is for causal_lm packing; {name} trains {task}, drop --document-mask")
+    if "document_ids" not in inspect.signature(model.forward).parameters:
+        raise UsageError(f"--document-mask needs a model whose forward takes document_ids; {name}'s does not, "
+                         "drop --document-mask")
+    # Sequence-parallel shards and pipeline stages would need the mask and positions
+    # passed along with the activations, which they are not yet.
+    if dims.tp_enabled or dims.pp_enabled:
+        raise UsageError("--document-mask runs without tensor or pipeline parallelism for now; "
+                         "use --tp-degree 1 --pp-degree 1 or drop --document-mask")
 
 
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:

@@ -41,9 +41,13 @@ def padded_to(batch: dict[str, Any], length: int | None, pad: int, rows: int | N
     if not extra_columns and not extra_rows:
         return batch
     pad_shape = (0, extra_columns, 0, extra_rows)
-    return {**batch,
-            "input_ids": torch.nn.functional.pad(batch["input_ids"], pad_shape, value=pad),
-            "targets": torch.nn.functional.pad(batch["targets"], pad_shape, value=IGNORE_INDEX)}
+    padded = {**batch,
+              "input_ids": torch.nn.functional.pad(batch["input_ids"], pad_shape, value=pad),
+              "targets": torch.nn.functional.pad(batch["targets"], pad_shape, value=IGNORE_INDEX)}
+    if "document_ids" in batch:
+        # Padding is a document of its own (-1), as collate makes it, so no token sees it.
+        padded["document_ids"] = torch.nn.functional.pad(batch["document_ids"], pad_shape, value=-1)
+    return padded
 
 
 def with_host_facts(batch: dict[str, Any], pad: int, positions: bool = True) -> dict[str, Any]:

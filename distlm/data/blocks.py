@@ -105,15 +105,24 @@ class TokenBlockDataset:
         return len(self.starts)
 
     def __getitem__(self, index: int) -> np.ndarray:
+        pieces = [self.dataset.get_slice(sentence, offset, take) for sentence, offset, take in self._spans(index)]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def sentence_ids(self, index: int) -> np.ndarray:
+        """The index of the sentence (document) each token of block ``index`` comes from."""
+        return np.concatenate([np.full(take, sentence, dtype=np.int64) for sentence, _, take in self._spans(index)])
+
+    def _spans(self, index: int) -> list[tuple[int, int, int]]:
+        """``(sentence, offset, length)`` of each non-empty piece of block ``index``, in order."""
         sentence = int(self._first_sentence[index])
         offset = int(self.starts[index] - self._sentence_starts[sentence])
         remaining = int(self.sizes[index])
-        pieces = []
+        spans = []
         while remaining > 0:
             take = min(int(self._sentence_sizes[sentence]) - offset, remaining)
             if take > 0:
-                pieces.append(self.dataset.get_slice(sentence, offset, take))
+                spans.append((sentence, offset, take))
                 remaining -= take
             sentence += 1
             offset = 0
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return spans

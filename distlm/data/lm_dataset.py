@@ -81,7 +81,11 @@ class LMData:
         mask_special_tokens: bool = True,
         fixed_masks: bool = False,
         scan: SharedScan | None = None,
+        document_mask: bool = False,
     ) -> None:
+        if document_mask and task != "causal_lm":
+            raise UsageError(f"--document-mask is for causal_lm packing; {task} attends both ways, drop it")
+        self.document_mask = document_mask
         self.tokens = tokens
         self.dictionary = dictionary
         self.task = task
@@ -132,10 +136,17 @@ class LMData:
         if self.masker is not None:
             mask_epoch = 0 if self.fixed_masks else epoch
             return self.masker(np.concatenate([[self.dictionary.bos()], block]), mask_epoch, index)
-        return block[:-1], block[1:]
+        if not self.document_mask:
+            return block[:-1], block[1:]
+        # A document's first token is no target: predicting it from the previous document
+        # is what document masking removes.
+        documents = self.blocks.sentence_ids(index)
+        targets = np.where(documents[1:] != documents[:-1], IGNORE_INDEX, block[1:])
+        return block[:-1], targets
 
     def collate(self, pairs: Sequence[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Padded ``input_ids`` and ``targets`` ([B, T], T = longest sample) and ``ntokens``."""
+        """Padded ``input_ids`` and ``targets`` ([B, T], T = longest sample) and ``ntokens``;
+        with document masking also ``document_ids`` (padding is a document of its own)."""
         if not pairs:
             raise ValueError("collate needs at least one (epoch, sample_index) pair")
         samples = [self.sample(epoch, index) for epoch, index in pairs]
@@ -146,11 +157,17 @@ class LMData:
             input_ids[row, : len(inputs)] = inputs
             targets[row, : len(sample_targets)] = sample_targets
         targets_tensor = torch.from_numpy(targets)
-        return {
+        batch = {
             "input_ids": torch.from_numpy(input_ids),
             "targets": targets_tensor,
             "ntokens": (targets_tensor != IGNORE_INDEX).sum(),
         }
+        if self.document_mask:
+            documents = np.full((len(samples), width), -1, dtype=np.int64)
+            for row, (_, index) in enumerate(pairs):
+                documents[row, : len(samples[row][0])] = self.blocks.sentence_ids(index)[:-1]
+            batch["document_ids"] = torch.from_numpy(documents)
+        return batch
 
 
 def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None,
@@ -162,6 +179,7 @@ def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str
         settings.data, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
         sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
         symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan,
+        document_mask=settings.document_mask,
     )
 
 
@@ -179,6 +197,7 @@ def load_lm_data(
     mask_special_tokens: bool = True,
     fixed_masks: bool | None = None,
     scan: SharedScan | None = None,
+    document_mask: bool = False,
 ) -> LMData:
     """Open ``split`` of a data directory (``path=None``: the built-in corpus).
 
@@ -194,6 +213,8 @@ def load_lm_data(
     tokens (see :class:`DynamicMasker`). ``fixed_masks`` makes the masks independent of
     the epoch; by default (None) every split but ``train`` has fixed masks. ``scan``: the
     ranks that share the check of the ids (a collective; see :class:`SharedScan`).
+    ``document_mask`` (causal_lm): a document is one sequence of the files; a document's
+    first token is no target and batches carry ``document_ids``.
     """
     if task not in TASKS:
         raise UsageError(f"task {task!r} is not one of {', '.join(TASKS)}")
@@ -229,6 +250,7 @@ def load_lm_data(
         mask_special_tokens=mask_special_tokens,
         fixed_masks=split != "train" if fixed_masks is None else fixed_masks,
         scan=scan,
+        document_mask=document_mask,
     )
     if len(data) == 0:
         raise UsageError(f"split {split!r} of data path {directory} holds no {task} samples; it is empty")

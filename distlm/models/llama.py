@@ -164,7 +164,9 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of ``x: [B, T, H, D]`` by their angles.
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of ``x: [B, T, H, D]`` by their angles,
+    ``cos``/``sin`` of ``[T, D/2]`` (positions shared by the batch) or ``[B, T, D/2]`` (each
+    row's own positions, as document masking restarts them at each document).
 
     Adjacent pairs are Meta's layout (a complex view of the head); Hugging Face's
     checkpoints permute wq/wk to rotate halves instead, and distlm.models.hf.llama
@@ -172,10 +174,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = cos.unsqueeze(-2)  # broadcast over the heads (and, for [T, D/2], over the batch)
+    sin = sin.unsqueeze(-2)
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_positions_and_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``document_ids [B, T]`` (a document is a run of equal ids along a row): each
+    token's position within its document ``[B, T]``, and the boolean attention mask
+    ``[B, 1, T, T]`` that lets a token see the earlier tokens of its own document only.
+
+    Documents are told apart by where the id changes, not by the id's value, so a row's
+    ids need not be unique across rows or blocks. Every token sees itself, so no row of
+    the mask is empty (SDPA would give NaN for one).
+    """
+    seq_len = document_ids.shape[1]
+    index = torch.arange(seq_len, device=document_ids.device)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    segment = starts.cumsum(dim=1)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    mask = (segment[:, :, None] == segment[:, None, :]) & causal
+    return index - first, mask[:, None]
 
 
 class LlamaAttention(nn.Module):
@@ -188,7 +210,9 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, else a boolean ``[B, 1, T, T]`` (True: may attend)."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -203,7 +227,7 @@ class LlamaAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            dropout_p=dropout_p, is_causal=True,
+            attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
@@ -231,8 +255,9 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.attention_norm(x), cos, sin, mask))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -341,10 +366,15 @@ class LlamaCausalLM(TransformerLM):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, V]``; position t sees tokens 0..t only."""
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]``; position t sees tokens 0..t only.
+
+        ``document_ids [B, T]`` (packed blocks with document masking): a new document starts
+        wherever the id changes along a row; position t then sees only the tokens of its
+        own document up to t, and rotary positions restart at 0 at each document.
+        """
         x = self.embed(input_ids)
-        block_args = self.block_args(input_ids)
+        block_args = self.block_args(input_ids, document_ids)
         for layer in self.layers:
             x = layer(x, *block_args)
         return self.head(x)
@@ -366,10 +396,14 @@ class LlamaCausalLM(TransformerLM):
             )
         return self.tok_embeddings(input_ids)
 
-    def block_args(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """What every block takes besides the residual stream: the rotary tables."""
+    def block_args(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides the residual stream: the rotary tables, and with
+        ``document_ids`` each row's own rotary angles and its block-diagonal causal mask."""
         seq_len = input_ids.shape[1]
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if document_ids is None:
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        positions, mask = document_positions_and_mask(document_ids)
+        return self.rope_cos[positions], self.rope_sin[positions], mask
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from the last block's output."""

@@ -1,0 +1,185 @@
+"""Packed causal-LM blocks with --document-mask: a packed block trains exactly as its
+documents would, each run alone, unpacked and unpadded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distlm.config import parse_args
+from distlm.data import load_lm_data, write_indexed_dataset
+from distlm.data.masking import IGNORE_INDEX
+from distlm.errors import UsageError
+from distlm.loss import ModelInputs, summed_cross_entropy
+from distlm.mesh import ParallelDims
+from distlm.models.llama import LlamaCausalLM, document_positions_and_mask
+from distlm.models.registry import build_model
+from distlm.trainer import Trainer
+from distlm.validation import check_model_fits
+
+VOCAB = 40  # dict.txt words; ids 0-3 are fairseq's specials
+# Documents of several lengths; a block of tokens_per_sample + 1 = 24 tokens holds the first
+# three (7 + 12 + 5), so block 0 starts and ends on document boundaries.
+DOCUMENT_LENGTHS = (7, 12, 5, 9, 6)
+TOKENS_PER_SAMPLE = 23
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("docmask")
+    rng = np.random.default_rng(0)
+    (root / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(VOCAB)))
+    documents = [np.append(rng.integers(4, VOCAB + 4, size=n - 1), 2) for n in DOCUMENT_LENGTHS]
+    write_indexed_dataset(str(root / "train"), documents * 4, np.uint16)
+    write_indexed_dataset(str(root / "valid"), documents, np.uint16)
+    return root, documents
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    model = build_model("llama_tiny", vocab_size=VOCAB + 4, padding_idx=1, n_layers=2, max_seq_len=64)
+    model.init_weights()
+    return model.float()
+
+
+def per_token_losses(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="none").reshape(targets.shape)
+
+
+def gradients(model):
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def test_packed_block_equals_its_documents_alone(data_dir):
+    root, documents = data_dir
+    data = load_lm_data(root, "valid", "causal_lm", TOKENS_PER_SAMPLE, "none", document_mask=True)
+    batch = data.collate([(0, 0)])
+    # The block: documents 0, 1, 2 packed; each document's first token is no target.
+    assert batch["document_ids"].tolist() == [[0] * 7 + [1] * 12 + [2] * 4]
+    assert int(batch["ntokens"]) == sum(n - 1 for n in DOCUMENT_LENGTHS[:3])
+
+    model = tiny_llama()
+    logits = model(batch["input_ids"], document_ids=batch["document_ids"])
+    packed_losses = per_token_losses(logits, batch["targets"])[0]
+    model.zero_grad()
+    summed_cross_entropy(model, batch, ModelInputs.of(model, "causal_lm")).backward()
+    packed_grads = gradients(model)
+
+    model.zero_grad()
+    alone_losses = []
+    for document in documents[:3]:
+        tokens = torch.from_numpy(document.astype(np.int64))[None]
+        losses = per_token_losses(model(tokens[:, :-1]), tokens[:, 1:])[0]
+        losses.sum().backward()  # gradients of the documents' summed losses accumulate
+        alone_losses.append(losses)
+    alone_grads = gradients(model)
+
+    # Packed, each document's last token predicts nothing (the next one's first is no target).
+    targets = batch["targets"][0]
+    kept = packed_losses[targets != IGNORE_INDEX]
+    expected = torch.cat(alone_losses)
+    # Same arithmetic in fp32 on other shapes: matrix products and softmax sums are blocked
+    # differently over 23 tokens than over 5-12, and masked-out keys add exact zeros, so
+    # only rounding differs: a few ulps of values of order 1-10 (losses near ln 44 = 3.8).
+    torch.testing.assert_close(kept, expected, rtol=1e-5, atol=1e-5)
+    assert torch.all(packed_losses[targets == IGNORE_INDEX] == 0)
+    for name, grad in packed_grads.items():
+        # Each gradient sums 20 tokens' contributions, packed in one product and alone in
+        # three: rounding of a few ulps of the tensor's largest entries (up to about 6 for
+        # the embedding), so the bound is relative to that largest entry.
+        scale = float(alone_grads[name].abs().max())
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_without_the_mask_documents_see_each_other(data_dir):
+    """The same block without document ids attends across documents: the equality above is
+    the mask's doing, not a property of the data."""
+    root, documents = data_dir
+    data = load_lm_data(root, "valid", "causal_lm", TOKENS_PER_SAMPLE, "none")
+    batch = data.collate([(0, 0)])
+    assert "document_ids" not in batch
+    model = tiny_llama()
+    with torch.no_grad():
+        second = torch.from_numpy(documents[1].astype(np.int64))[None]
+        alone = per_token_losses(model(second[:, :-1]), second[:, 1:])[0]
+        packed = per_token_losses(model(batch["input_ids"]), batch["targets"])[0][7:18]
+    assert not torch.allclose(packed, alone, rtol=1e-3, atol=1e-3)
+
+
+def test_positions_restart_and_padding_is_its_own_document():
+    ids = torch.tensor([[5, 5, 5, 8, 8, -1], [3, 3, 3, 3, 3, 3]])
+    positions, mask = document_positions_and_mask(ids)
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    assert mask.shape == (2, 1, 6, 6)
+    assert mask[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+def test_a_document_cut_by_a_block_boundary_starts_again_and_padding_is_no_target(data_dir):
+    root, _ = data_dir
+    data = load_lm_data(root, "train", "causal_lm", TOKENS_PER_SAMPLE, "none", document_mask=True)
+    # The train split repeats the 39 tokens of the five documents; block 1 starts at token
+    # 24, inside document 3 (tokens 24-32), whose remaining 9 tokens come first.
+    starts = [0, 7, 19, 24, 33]
+    block = data.collate([(0, 1)])
+    ids = block["document_ids"][0].tolist()
+    assert ids[:9] == [3] * 9 and ids[9:15] == [4] * 6 and ids[15] == 5
+    positions, _ = document_positions_and_mask(block["document_ids"])
+    assert positions[0, :10].tolist() == list(range(9)) + [0]
+    # Documents start at tokens 9, 15 and 22 of the block (its first token is no target
+    # anyway); the inputs before them predict nothing.
+    ignored = (block["targets"][0] == IGNORE_INDEX).nonzero().flatten().tolist()
+    assert ignored == [8, 14, 21]
+    # The last block is short: its padding is a document of its own and carries no target.
+    batch = data.collate([(0, len(data) - 1), (0, 0)])
+    pad = batch["document_ids"][0] == -1
+    assert pad.any() and (batch["targets"][0][pad] == IGNORE_INDEX).all()
+    assert (batch["input_ids"][0][pad] == data.dictionary.pad()).all()
+
+
+def test_a_run_hands_the_model_its_document_ids(data_dir, monkeypatch):
+    root, _ = data_dir
+    seen = []
+    forward = LlamaCausalLM.forward
+
+    def recording(self, input_ids, document_ids=None):
+        seen.append((self.training, document_ids))
+        return forward(self, input_ids, document_ids)
+
+    monkeypatch.setattr(LlamaCausalLM, "forward", recording)
+    Trainer(parse_args(["--arch", "llama_tiny", "--data", str(root), "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
+                        "--sample-break-mode", "none", "--document-mask", "--batch-size", "2", "--max-update", "1",
+                        "--no-save", "--device", "cpu", "--decoder-layers", "1"])).fit()
+    # Training and validation batches both carry them.
+    assert {training for training, _ in seen} == {True, False}
+    assert all(ids is not None and ids.dim() == 2 for _, ids in seen)
+
+
+def test_refused_with_tensor_or_pipeline_parallelism():
+    config = parse_args(["--arch", "llama_tiny", "--document-mask", "--sample-break-mode", "none"])
+    with torch.device("meta"):
+        model = build_model("llama_tiny", vocab_size=64)
+    for dims in (ParallelDims(world_size=2, tp=2), ParallelDims(world_size=2, pp=2)):
+        with pytest.raises(UsageError, match="--document-mask runs without tensor or pipeline parallelism"):
+            check_model_fits(model, config, dims, arch="llama_tiny")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--arch", "llama_tiny", "--document-mask", "--sample-break-mode", "eos"], "masks nothing"),
+    (["--arch", "roberta_base", "--document-mask", "--sample-break-mode", "none"], "causal_lm"),
+    (["--arch", "llama_tiny", "--document-mask", "--task", "masked_lm"], "attends both ways"),
+])
+def test_refused_where_it_cannot_work(args, words):
+    with pytest.raises(UsageError, match=words) as err:
+        Trainer(parse_args([*args, "--no-save", "--device", "cpu"]))
+    assert "\n" not in str(err.value) and "--document-mask" in str(err.value)
