@@ -105,6 +105,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_sum": loss_sum, "target_tokens": local_targets,
         "input_tokens": sum(b["input_count"] for b in micro_batches),
         "samples": sum(len(b["input_ids"]) for b in micro_batches),
+        "batch_tokens": sum(b["input_ids"].numel() for b in micro_batches),
         "lr": significant(lr), "gnorm": gnorm_value, "applied": applied,
     }
     if precision.scaler is not None:

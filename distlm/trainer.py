@@ -198,7 +198,7 @@ class Trainer:
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
-                  record.pop("samples"))
+                  record.pop("samples"), record.pop("batch_tokens"))
         printer.progress()
         # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
         # the loss within seconds, not after --log-interval updates.
