@@ -17,6 +17,7 @@ import torch
 
 from distributed import Scenarios
 from distlm import checkpoint
+from distlm.checkpoint.compare import changed_settings
 from distlm.config import check_settings, parse_args
 from distlm.data import load_split
 from distlm.data.batches import update_batches
@@ -189,3 +190,11 @@ def test_resume_mid_epoch_from_two_ranks_on_one_process(runs, reference, data_di
     shutil.copytree(root / "two_to_one", tmp_path / "two_to_one")
     assert fit(args_for(data_dir, tmp_path / "two_to_one", 5, ["--update-freq", "2"]))["resumed_at"] == 3
     assert_close(checkpoint.load(tmp_path / "two_to_one" / checkpoint.LAST), straight)
+
+
+def test_a_resume_at_another_world_size_says_the_update_in_batches():
+    data = {"batch_size": 64, "update_freq": 1, "max_tokens": 1024}
+    line = changed_settings({"data": data}, {"data": data}, 2, 1, 812, 3)
+    assert line == ("resuming with global batch 2 --max-tokens batches → 1 --max-tokens batches; the data position "
+                    "carries over as 812 samples consumed: the next update reads on from sample 812 of the same "
+                    "order, 1 --max-tokens batches per update")
