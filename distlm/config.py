@@ -111,6 +111,14 @@ class DataConfig:
     """Samples per micro-batch per data-parallel replica (fairseq --max-sentences)."""
     update_freq: int = 1
     """Micro-batches accumulated per update; gradients are synchronised on the last only."""
+    max_tokens: int | None = None
+    """Batch by a token budget, as fairseq: samples of similar length in batches of at most this many tokens
+    (rows x longest sample, padding included) and at most --batch-size rows; default: --batch-size samples."""
+    required_batch_size_multiple: int = 8
+    """With --max-tokens: a batch's rows are a multiple of this where it has more (fairseq's default 8)."""
+    skip_invalid_size_inputs_valid_test: bool = False
+    """With --max-tokens: leave out (and count in the log) the training samples longer than the budget,
+    instead of refusing the run."""
     mask_prob: float = 0.15
     """Fraction of tokens masked for masked_lm (80% <mask>, 10% random, 10% unchanged)."""
     mask_special_tokens: bool = True
@@ -419,6 +427,7 @@ _WIDTH = (1, 2**20, True, True)  # 64 x the widest published models (16384); 1e2
 _RANKS = (1, 2**31 - 1, True, True)  # torch.distributed counts ranks in a C++ int
 BOUNDS: dict[str, tuple] = {
     "tokens_per_sample": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "update_freq": _AT_LEAST_1,
+    "max_tokens": _AT_LEAST_1, "required_batch_size_multiple": _AT_LEAST_1,
     "log_interval": _AT_LEAST_1, "save_interval": _AT_LEAST_1, "validate_interval": _AT_LEAST_1,
     "max_valid_steps": _AT_LEAST_1, "batch_size_valid": _AT_LEAST_1, "tp_degree": _AT_LEAST_1,
     "pp_degree": _AT_LEAST_1, "pp_stages_per_rank": _AT_LEAST_1, "pp_microbatches": _NOT_NEGATIVE,
@@ -724,6 +733,9 @@ def check_settings(config: TrainConfig) -> None:
     if config.data.document_mask and config.data.sample_break_mode == "eos":
         raise UsageError("--document-mask with --sample-break-mode eos masks nothing (one document per block); "
                          "use --sample-break-mode none or complete to pack documents")
+    if config.data.skip_invalid_size_inputs_valid_test and config.data.max_tokens is None:
+        raise UsageError("--skip-invalid-size-inputs-valid-test skips samples longer than --max-tokens; "
+                         "without --max-tokens no sample is too long: drop it or set --max-tokens")
     if config.compile.precompile and not config.compile.compile:
         config.compile.compile = True  # precompiling is compiling
 

@@ -35,7 +35,7 @@ class TrainStats:
     only one per log line.
     """
 
-    FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples")
+    FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples", "batch_tokens")
 
     def __init__(self, device: torch.device | str = "cpu", flops_per_token: float | None = None,
                  peak_flops_per_device: float | None = None, devices: int = 1) -> None:
@@ -52,13 +52,16 @@ class TrainStats:
 
     def _start_interval(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.counts = [0, 0, 0]
+        self.counts = [0, 0, 0, 0]
         self.updates = 0
         self.started = time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, target_tokens: int, input_tokens: int, samples: int) -> None:
+    def add(self, loss_sum: torch.Tensor, target_tokens: int, input_tokens: int, samples: int,
+            batch_tokens: int | None = None) -> None:
+        """``batch_tokens``: the batches' tokens, padding included (None: no padding)."""
         self.loss_sum += loss_sum.to(device=self.device, dtype=torch.float64)
-        for i, count in enumerate((target_tokens, input_tokens, samples)):
+        for i, count in enumerate((target_tokens, input_tokens, samples,
+                                   input_tokens if batch_tokens is None else batch_tokens)):
             self.counts[i] += count
         self.updates += 1
 
@@ -82,6 +85,8 @@ class TrainStats:
             "wps": rates["wps"],
             "ups": rates["ups"],
             "bsz": values["samples"] / max(self.updates, 1),
+            # The share of the batches' tokens that is padding (--max-tokens keeps it small).
+            "padding": significant(1 - values["input_tokens"] / max(values["batch_tokens"], 1), 4),
             "tokens_per_sec_per_device": rates["tokens_per_sec_per_device"],
             "mfu": rates["mfu"],
         }

@@ -93,7 +93,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
             with trainer._autocast(), handle.loss_context():
                 place = locate_nonfinite(trainer.model, tensors, trainer.compute_loss, factor, ctx.all_gather_object)
             raise DivergenceError(f"update {update}: {err}; first non-finite: {place}") from None
-    progress.consumed_samples += trainer.sampler.global_batch_size  # before _done(), which --max-epoch reads
+    progress.consumed_samples += trainer.sampler.samples_in_update(progress.consumed_samples)  # before _done(), which --max-epoch reads
     if trainer._done() or progress.num_updates % trainer.config.logging.log_interval == 0:
         # Measured while gradients still exist: zero_grad below frees them.
         trainer.last_memory = memory_report(trainer.model, trainer.optimizer)
@@ -105,6 +105,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_sum": loss_sum, "target_tokens": local_targets,
         "input_tokens": sum(b["input_count"] for b in micro_batches),
         "samples": sum(len(b["input_ids"]) for b in micro_batches),
+        "batch_tokens": sum(b["input_ids"].numel() for b in micro_batches),
         "lr": significant(lr), "gnorm": gnorm_value, "applied": applied,
     }
     if precision.scaler is not None:

@@ -8,7 +8,6 @@ costs one host synchronisation: the finite check of the gradient norm.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Iterator
 
@@ -20,8 +19,8 @@ from distlm.builder import build_model_for_run, choose_vocabulary, resolve_model
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.compile import CompileReport, precompile
 from distlm.config import TrainConfig
-from distlm.data import GlobalBatchSampler, SharedScan, load_split
-from distlm.data.batches import check_global_batch, update_batches
+from distlm.data import SharedScan, load_split
+from distlm.data.batches import training_sampler, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.metrics import TrainStats, mfu_inputs, significant
@@ -103,16 +102,12 @@ class Trainer:
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
-        self.sampler = GlobalBatchSampler(
-            num_samples=len(self.data), micro_batch_size=config.data.batch_size, update_freq=config.data.update_freq,
-            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dims.dp, seed=config.seed,
-        )
-        check_global_batch(self.sampler, len(self.data), config.data.batch_size, config.data.update_freq)
+        self.sampler = training_sampler(config, self.data, self.ctx.dp_rank, self.ctx.dims.dp, self.fixed_length,
+                                        self.ctx.is_main)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
                                    self.model_inputs.masked_positions)
-        self.schedule = LRSchedule(config.optim, updates_in_run=math.ceil(
-            config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size))
+        self.schedule = LRSchedule(config.optim, updates_in_run=self.sampler.updates_in_epochs(config.optim.max_epoch))
         self.progress = TrainProgress()
         self.states = {**training_states(self.model, self.optimizer, self.precision.scaler, self.progress,
                                          self.ctx.rank), **(states or {})}
@@ -198,7 +193,7 @@ class Trainer:
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
-                  record.pop("samples"))
+                  record.pop("samples"), record.pop("batch_tokens"))
         printer.progress()
         # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
         # the loss within seconds, not after --log-interval updates.
@@ -258,7 +253,7 @@ class Trainer:
         cfg = self.config.optim
         if cfg.max_update and self.progress.num_updates >= cfg.max_update:
             return True
-        return bool(cfg.max_epoch) and self.progress.consumed_samples >= cfg.max_epoch * len(self.data)
+        return bool(cfg.max_epoch) and self.progress.consumed_samples >= cfg.max_epoch * self.sampler.num_samples
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         """One update over this rank's ``--update-freq`` micro-batches (distlm/train_step.py)."""

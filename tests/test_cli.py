@@ -58,7 +58,7 @@ def test_toml_is_overridden_by_flags(tmp_path):
 @pytest.mark.parametrize(
     "argv, names",
     [
-        (["--max-tokens", "4096"], "--max-tokens"),
+        (["--max-tokens", "0"], "--max-tokens"),
         (["--criterion", "label_smoothed_cross_entropy"], "--criterion"),
         (["--task", "translation"], "--task"),
         (["--fp16", "--bf16"], "--bf16"),

@@ -103,7 +103,8 @@ def changed_settings(saved: dict[str, Any] | None, config: dict[str, Any], saved
                  "--reset-dataloader to start the data from its beginning")
     elif batch_before is not None and batch_now is not None and batch_before != batch_now:
         line += (f"; the data position carries over as {consumed_samples} samples consumed: the next update "
-                 f"reads on from sample {consumed_samples} of the same order, {batch_now} samples per update")
+                 f"reads on from sample {consumed_samples} of the same order, "
+                 f"{batch_now}{'' if isinstance(batch_now, str) else ' samples'} per update")
     return line
 
 
@@ -123,10 +124,13 @@ def _schedule_move(before: Any, now: Any, updates: int) -> str | None:
     return f"the learning-rate schedule moves: update {updates + 1} gets lr {next_lr:.4g}, the saved schedule's {then:.4g}"
 
 
-def _global_batch(data: Any, dp: int | None) -> int | None:
+def _global_batch(data: Any, dp: int | None) -> int | str | None:
     if not isinstance(data, dict) or not isinstance(dp, int):
         return None
     batch, freq = data.get("batch_size"), data.get("update_freq")
+    if isinstance(data.get("max_tokens"), int) and isinstance(freq, int):
+        # Batches of a token budget hold varying numbers of samples: an update is a count of batches.
+        return f"{freq * dp} --max-tokens batches"
     return batch * freq * dp if isinstance(batch, int) and isinstance(freq, int) else None
 
 

@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Iterator
 
 import torch
 
 from distlm.data.masking import IGNORE_INDEX
-from distlm.data.sampler import GlobalBatchSampler
+from distlm.data.sampler import GlobalBatchSampler, TokenBudgetSampler
 from distlm.errors import UsageError
 from distlm.signals import ignore_stop_signals
+
+logger = logging.getLogger("distlm")
+Sampler = GlobalBatchSampler | TokenBudgetSampler
 
 
 class UpdateBatches(torch.utils.data.Dataset):
     """Item k: the micro-batches of the k-th update from ``start`` consumed samples on,
     with their token counts as host numbers, read here before any device sees them."""
 
-    def __init__(self, data: Any, sampler: GlobalBatchSampler, start: int, pad: int, pad_to: int | None = None,
+    def __init__(self, data: Any, sampler: Sampler, start: int, pad: int, pad_to: int | None = None,
                  positions: bool = True):
         self.data, self.sampler, self.start, self.pad, self.pad_to = data, sampler, start, pad, pad_to
         self.positions = positions
 
     def __getitem__(self, k: int) -> list[dict[str, Any]]:
-        position = self.start + k * self.sampler.global_batch_size
         return [with_host_facts(padded_to(self.data.collate(pairs), self.pad_to, self.pad), self.pad, self.positions)
-                for pairs in self.sampler.local_micro_batches(position)]
+                for pairs in self.sampler.update_micro_batches(self.start, k)]
 
 
 def padded_to(batch: dict[str, Any], length: int | None, pad: int, rows: int | None = None) -> dict[str, Any]:
@@ -65,7 +68,7 @@ def with_host_facts(batch: dict[str, Any], pad: int, positions: bool = True) -> 
     return batch
 
 
-def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int, num_workers: int,
+def update_batches(data: Any, sampler: Sampler, start: int, pad: int, num_workers: int,
                    pad_to: int | None = None, positions: bool = True) -> Iterator[list[dict[str, Any]]]:
     """The micro-batches of every coming update, by ``num_workers`` processes (0: this one)."""
     dataset = UpdateBatches(data, sampler, start, pad, pad_to, positions)
@@ -74,6 +77,36 @@ def update_batches(data: Any, sampler: GlobalBatchSampler, start: int, pad: int,
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=itertools.count(), num_workers=num_workers,
                                          worker_init_fn=ignore_stop_signals)
     return iter(loader)
+
+
+def training_sampler(config: Any, data: Any, dp_rank: int, dp_size: int, fixed_length: int | None,
+                     is_main: bool) -> Sampler:
+    """The sampler of the training data: --batch-size samples per micro-batch, or with
+    --max-tokens batches within a token budget (``fixed_length``: the length every batch is
+    padded to for compiled, traced or pipelined graphs, which --max-tokens cannot give)."""
+    settings = config.data
+    if settings.max_tokens is None:
+        sampler = GlobalBatchSampler(num_samples=len(data), micro_batch_size=settings.batch_size,
+                                     update_freq=settings.update_freq, dp_rank=dp_rank, dp_size=dp_size,
+                                     seed=config.seed)
+        check_global_batch(sampler, len(data), settings.batch_size, settings.update_freq)
+        return sampler
+    if fixed_length is not None:
+        raise UsageError("--max-tokens makes batches of varying shapes, which --compile, pipeline parallelism and "
+                         "static-shape devices cannot take: use --batch-size there")
+    if not hasattr(data, "sizes"):
+        raise UsageError("--max-tokens needs the training data's sample lengths (a `sizes` array on the data "
+                         "handed to the Trainer): add it, or batch with --batch-size")
+    sampler = TokenBudgetSampler(data.sizes, settings.max_tokens, settings.batch_size,
+                                 settings.required_batch_size_multiple, settings.update_freq, dp_rank, dp_size,
+                                 config.seed, settings.skip_invalid_size_inputs_valid_test)
+    if is_main:
+        if sampler.skipped:
+            logger.warning("--skip-invalid-size-inputs-valid-test: %d training samples longer than --max-tokens %d "
+                           "are left out", sampler.skipped, settings.max_tokens)
+        logger.info("--max-tokens %d: %d batches of %d samples per epoch, %d per update", settings.max_tokens,
+                    sampler.num_batches, sampler.num_samples, sampler.batches_per_update)
+    return sampler
 
 
 def check_global_batch(sampler: GlobalBatchSampler, num_samples: int, batch_size: int, update_freq: int) -> None:

@@ -119,6 +119,11 @@ class LMData:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    @property
+    def sizes(self) -> np.ndarray:
+        """Input tokens of each sample, as :meth:`sample` makes it (``--max-tokens`` batches by them)."""
+        return self.blocks.sizes + 1 if self.masker is not None else self.blocks.sizes - 1
+
     def check_symbols(self, symbols: Sequence[str]) -> None:
         """UsageError unless ``symbols`` (the list a checkpoint stores) are this data's vocabulary."""
         _check_same_symbols(list(symbols), self.dictionary, Path(self.tokens.prefix).parent, self.task)

@@ -102,3 +102,134 @@ class GlobalBatchSampler:
         samples = self.samples_at(np.arange(first, first + self.local_batch_size, dtype=np.int64))
         size = self.micro_batch_size
         return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    def update_micro_batches(self, start: int, k: int) -> list[list[Sample]]:
+        """This rank's micro-batches of the ``k``-th update after ``start`` consumed samples."""
+        return self.local_micro_batches(start + k * self.global_batch_size)
+
+    def samples_in_update(self, consumed_samples: int) -> int:
+        """Samples of every rank in the update after ``consumed_samples``."""
+        return self.global_batch_size
+
+    def updates_in_epochs(self, epochs: int) -> int:
+        """Updates that ``epochs`` passes over the data take (the schedule's length under --max-epoch)."""
+        return -(-epochs * self.num_samples // self.global_batch_size)
+
+
+def token_budget_bounds(sorted_sizes: np.ndarray, max_tokens: int, max_sentences: int, multiple: int) -> np.ndarray:
+    """Start of each batch (and the end) over samples sorted by length, as fairseq's
+    ``batch_by_size`` cuts them: a batch grows while its padded size (rows x longest)
+    stays within ``max_tokens`` and its rows within ``max_sentences``; a full batch keeps the
+    largest multiple of ``multiple`` rows (or all of them when fewer) and the rest start the next."""
+    bounds, start = [0], 0
+    for end in range(len(sorted_sizes)):
+        rows = end - start
+        # Sorted ascending, so the sample at ``end`` is the longest of the grown batch.
+        if rows and ((rows + 1) * int(sorted_sizes[end]) > max_tokens or rows == max_sentences):
+            keep = max(multiple * (rows // multiple), rows % multiple)
+            start += keep
+            bounds.append(start)
+    bounds.append(len(sorted_sizes))
+    return np.asarray(bounds, dtype=np.int64)
+
+
+class TokenBudgetSampler:
+    """``--max-tokens``: batches of samples of similar length within a token budget, as fairseq's.
+
+    Each epoch sorts the samples by length (ties in an order seeded by ``(seed, epoch)``) and
+    cuts them into batches at fixed places (:func:`token_budget_bounds`: the places depend on
+    the lengths only, so every epoch has the same number of batches), then shuffles the
+    batches by ``(seed, epoch)``. The batches of all epochs form one stream, the same on every
+    world size; an update takes its next ``update_freq x dp_size`` batches, and rank r trains
+    on the r-th run of ``update_freq`` of them as its micro-batches. One process with
+    ``--update-freq`` ``update_freq x dp_size`` trains on the same batches in the same order.
+
+    The position is still ``consumed_samples``: the samples of the batches consumed. Within an
+    epoch it names one batch of the shuffled order, so a run resumes exactly at any world size
+    or ``--update-freq``; a count that falls inside a batch (one saved without --max-tokens or
+    with other lengths) is refused in one line.
+    """
+
+    def __init__(self, sizes: np.ndarray, max_tokens: int, max_sentences: int, multiple: int, update_freq: int,
+                 dp_rank: int, dp_size: int, seed: int, skip_too_long: bool = False) -> None:
+        sizes = np.asarray(sizes, dtype=np.int64)
+        too_long = sizes > max_tokens
+        if too_long.any() and not skip_too_long:
+            raise UsageError(
+                f"{int(too_long.sum())} of the {len(sizes)} training samples are longer than --max-tokens {max_tokens} "
+                f"(the longest has {int(sizes.max())} tokens): raise --max-tokens to at least {int(sizes.max())}, or "
+                "skip them with --skip-invalid-size-inputs-valid-test"
+            )
+        self.skipped = int(too_long.sum())
+        """Samples left out for being longer than the budget (--skip-invalid-size-inputs-valid-test)."""
+        self.indices = np.flatnonzero(~too_long)
+        if len(self.indices) == 0:
+            raise UsageError(f"no training sample fits --max-tokens {max_tokens}; raise --max-tokens")
+        self.sizes = sizes[self.indices]
+        self.num_samples = len(self.indices)
+        self.update_freq, self.dp_rank, self.dp_size, self.seed = update_freq, dp_rank, dp_size, seed
+        self.bounds = token_budget_bounds(np.sort(self.sizes, kind="stable"), max_tokens, max_sentences, multiple)
+        self.num_batches = len(self.bounds) - 1
+        """Batches per epoch (the same in every epoch)."""
+        self.batches_per_update = update_freq * dp_size
+        if self.batches_per_update > self.num_batches:
+            raise UsageError(
+                f"an update takes {self.batches_per_update} batches (--update-freq {update_freq} x {dp_size} "
+                f"replicas) but --max-tokens {max_tokens} makes only {self.num_batches} of the {self.num_samples} "
+                "training samples: lower --max-tokens or --update-freq, or use fewer ranks"
+            )
+        self._epochs: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+        self._last_position = (-1, 0)
+
+    def epoch_of(self, consumed_samples: int) -> int:
+        """0-based epoch of the next sample after ``consumed_samples``."""
+        return consumed_samples // self.num_samples
+
+    def batches(self, epoch: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The sample indices of each batch of ``epoch`` in training order, and the samples
+        consumed before each batch of it (one more entry: the epoch's total)."""
+        if epoch not in self._epochs:
+            rng = np.random.default_rng([_SHUFFLE_STREAM, self.seed, epoch])
+            order = np.lexsort((rng.permutation(self.num_samples), self.sizes))  # by length, ties shuffled
+            cut = [self.indices[order[a:b]] for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            shuffled = [cut[i] for i in rng.permutation(self.num_batches)]
+            before = np.concatenate([[0], np.cumsum([len(batch) for batch in shuffled])])
+            if len(self._epochs) >= 2:  # an update touches at most two epochs
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = (shuffled, before)
+        return self._epochs[epoch]
+
+    def batch_position(self, consumed_samples: int) -> int:
+        """Batches of the stream consumed after ``consumed_samples`` samples."""
+        if self._last_position[0] == consumed_samples:  # an iterator asks for its start at every update
+            return self._last_position[1]
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples {consumed_samples} must be non-negative")
+        epoch, offset = divmod(consumed_samples, self.num_samples)
+        before = self.batches(epoch)[1]
+        k = int(np.searchsorted(before, offset))
+        if before[k] != offset:
+            raise UsageError(
+                f"the data position, {consumed_samples} samples consumed, falls inside a --max-tokens batch (the "
+                "checkpoint was saved with other batching or other data); resume with the batching it was saved with"
+            )
+        self._last_position = (consumed_samples, epoch * self.num_batches + k)
+        return self._last_position[1]
+
+    def _batch(self, position: int) -> list[Sample]:
+        epoch, k = divmod(position, self.num_batches)
+        return [(epoch, int(index)) for index in self.batches(epoch)[0][k]]
+
+    def update_micro_batches(self, start: int, k: int) -> list[list[Sample]]:
+        """This rank's micro-batches of the ``k``-th update after ``start`` consumed samples."""
+        first = self.batch_position(start) + k * self.batches_per_update + self.dp_rank * self.update_freq
+        return [self._batch(position) for position in range(first, first + self.update_freq)]
+
+    def samples_in_update(self, consumed_samples: int) -> int:
+        """Samples of every rank in the update after ``consumed_samples``."""
+        first = self.batch_position(consumed_samples)
+        return sum(len(self._batch(position)) for position in range(first, first + self.batches_per_update))
+
+    def updates_in_epochs(self, epochs: int) -> int:
+        """Updates that ``epochs`` passes over the data take (the schedule's length under --max-epoch)."""
+        return -(-epochs * self.num_batches // self.batches_per_update)
