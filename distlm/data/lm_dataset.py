@@ -19,13 +19,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from distlm.choices import SAMPLE_BREAK_MODES, TASKS
-from distlm.config import TrainConfig
+from distlm.config import TrainConfig, parse_data_sources
 from distlm.data.blocks import TokenBlockDataset
 from distlm.data.corpus import ensure_builtin_corpus
 from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
@@ -33,6 +33,9 @@ from distlm.data.hf_tokenizer import HFVocabulary, is_hf_tokenizer_dir
 from distlm.data.indexed_dataset import MMapIndexedDataset
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
 from distlm.errors import UsageError
+
+if TYPE_CHECKING:
+    from distlm.data.mixture import MixtureData
 
 _EXPECTED_LAYOUT = (
     "a fairseq-preprocess output directory (dict.txt, train.bin/.idx, valid.bin/.idx) "
@@ -154,10 +157,17 @@ class LMData:
 
 
 def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None,
-               scan: SharedScan | None = None) -> LMData:
-    """Split ``split`` of ``--data`` (the built-in corpus by default) as the run's settings
-    read it; ``symbols`` from a checkpoint must agree with its vocabulary."""
+               scan: SharedScan | None = None) -> LMData | MixtureData:
+    """Split ``split`` of ``--data`` (the built-in corpus by default, or a weighted mixture of
+    directories) as the run's settings read it; ``symbols`` from a checkpoint must agree
+    with its vocabulary."""
     settings = config.data
+    sources = parse_data_sources(settings.data)
+    if sources is not None:
+        # Imported here: the mixture is made of this module's LMData.
+        from distlm.data.mixture import load_mixture
+
+        return load_mixture(config, sources, split, task, symbols, scan)
     return load_lm_data(
         settings.data, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
         sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
