@@ -140,6 +140,8 @@ def parse_data_sources(data: str | None) -> list[tuple[float, str]] | None:
     """The ``(weight, directory)`` sources of a mixture ``--data``, weights as given; None for one
     plain directory or the built-in corpus. UsageError for weights that do not parse, are
     negative or sum to zero."""
+    if isinstance(data, (list, tuple)):  # a Python config may hold the sources as a list
+        data = join_data_sources(data, "--data")
     if data is None or Path(data).is_dir():
         return None
     try:

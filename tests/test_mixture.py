@@ -18,6 +18,7 @@ from distlm.data import GlobalBatchSampler, load_split, write_indexed_dataset
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
+from test_resume import args_for, assert_identical, final_state, fit
 
 WORDS = 30  # ids 4-33; each source writes its own tenth of them, so a sample names its source
 SIZES = {"a": 300, "b": 100, "c": 60}
@@ -71,7 +72,7 @@ def test_each_sources_share_of_a_run_is_within_a_binomial_bound_of_its_weight(so
     config = parse_args(mixture_args(sources, weights))
     data = load_split(config, "train", "causal_lm", None)
     epoch = sum(SIZES.values())
-    assert len(data) == epoch and data.counts == [92, 230, 138]  # each weight's share of an epoch of 460
+    assert len(data) == epoch and data.index.counts == [92, 230, 138]  # each weight's share of an epoch of 460
     sampler = GlobalBatchSampler(len(data), 4, 1, 0, 1, seed=1)
     n = 2 * epoch + 157  # over two epochs and part of a third
     drawn = [data.sample(*pair)[0] for pair in sampler.samples_at(np.arange(n))]
@@ -85,9 +86,9 @@ def test_each_sources_share_of_a_run_is_within_a_binomial_bound_of_its_weight(so
         assert abs(count / n - weight) <= bound, (name, count / n, weight, bound)
     # Source a, drawn 92 times an epoch from 300 samples, sees another subset each epoch;
     # source b, drawn 230 times from 100, goes through all of its samples twice or three times.
-    seen = [{data.locate(e, i) for i in range(epoch)} for e in range(2)]
+    seen = [{data.index.locate(e, i) for i in range(epoch)} for e in range(2)]
     assert seen[0] != seen[1]
-    draws_of_b = np.bincount([data.locate(0, i)[1] for i in range(epoch) if data.locate(0, i)[0] == 1], minlength=100)
+    draws_of_b = np.bincount([data.index.locate(0, i)[1] for i in range(epoch) if data.index.locate(0, i)[0] == 1], minlength=100)
     assert set(draws_of_b.tolist()) == {2, 3}
 
 
@@ -95,8 +96,8 @@ def test_an_unshuffled_prefix_holds_each_source_in_its_share(sources):
     # Validation reads the mixture in order: its first batches must not be one source alone.
     config = parse_args(mixture_args(sources, {"a": 1, "b": 1}))
     data = load_split(config, "valid", "causal_lm", None)  # valid: by size, 10 and 10
-    assert [data.locate(0, i)[0] for i in range(6)] == [0, 1, 0, 1, 0, 1]
-    assert sorted(data.locate(0, i) for i in range(len(data))) == [(s, i) for s in (0, 1) for i in range(10)]
+    assert [data.index.locate(0, i)[0] for i in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert sorted(data.index.locate(0, i) for i in range(len(data))) == [(s, i) for s in (0, 1) for i in range(10)]
 
 
 def test_the_sample_sequence_is_the_same_on_one_and_two_ranks_and_resumes_exactly(sources):
@@ -108,6 +109,14 @@ def test_the_sample_sequence_is_the_same_on_one_and_two_ranks_and_resumes_exactl
         resumed = stream(config, consumed, (400 - consumed) // 8, world_size)
         assert [inputs.tolist() for inputs in resumed] == [inputs.tolist() for inputs in whole[consumed:]]
     assert {source_of(inputs) for inputs in whole} == {0, 2}
+
+
+def test_a_run_on_a_mixture_resumes_exactly(sources, tmp_path):
+    mixture = f"0.3:{sources['a']} 0.7:{sources['b']}"
+    assert fit(args_for(mixture, tmp_path / "straight", 4)) is None
+    assert fit(args_for(mixture, tmp_path / "stopped", 2)) is None
+    assert fit(args_for(mixture, tmp_path / "stopped", 4)) == 2
+    assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
 
 
 def test_a_run_on_a_mixture_trains_and_logs_each_sources_share_and_size(sources, tmp_path, caplog):

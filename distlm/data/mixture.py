@@ -14,42 +14,33 @@ function of the consumed-sample count: the same on any world size, and resumed e
 from that one count.
 
 Every split but ``train`` mixes its sources by their sizes (each sample once), so a
-validation loss is over all of the held-out data.
+validation loss is over all of the held-out data. The samples themselves are
+``distlm.data.lm_dataset.MixtureData``'s, which this index picks among.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
-
-from distlm.config import TrainConfig
-from distlm.data.dictionary import Dictionary
-from distlm.data.lm_dataset import LMData, SharedScan, load_lm_data, load_vocabulary
-from distlm.errors import UsageError
 
 # Keeps the draw of a source's samples apart from the sampler's shuffle and the masks.
 _MIXTURE_STREAM = 0x4D49_5854
 
 
-class MixtureData:
-    """Samples of one split of several sources; build it with :func:`load_mixture`.
+class MixtureIndex:
+    """Which source, and which of its samples, each index of a mixture's epoch is.
 
-    ``sources``: each directory's samples (one vocabulary); ``names``: their directories;
-    ``weights``: their weights (any scale; the split's shares follow them). ``shuffle``:
-    draw each source's samples in a seeded order per epoch (False: in file order).
+    ``sizes``: each source's samples; ``weights``: their weights (any scale, not all 0);
+    ``names``: their directories, for the log. ``shuffle``: draw each source's samples in
+    a seeded order per epoch (False: in file order).
     """
 
-    def __init__(self, sources: Sequence[LMData], names: Sequence[str], weights: Sequence[float], seed: int,
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], names: Sequence[str], seed: int,
                  shuffle: bool = True) -> None:
-        self.sources, self.names, self.seed, self.shuffle = list(sources), list(names), seed, shuffle
         total = float(sum(weights))
+        self.sizes, self.names, self.seed, self.shuffle = list(sizes), list(names), seed, shuffle
         self.weights = [weight / total for weight in weights]
-        first = self.sources[0]
-        self.dictionary, self.tokenizer_dir = first.dictionary, first.tokenizer_dir
-        self.task, self.tokens_per_sample, self.fixed_masks = first.task, first.tokens_per_sample, first.fixed_masks
-        self.sizes = [len(source) for source in self.sources]
         self.counts = apportion(sum(self.sizes), self.weights)
         self.source_of, self.draw_of = interleave(self.counts)
         self._orders: dict[tuple[int, int, int], np.ndarray] = {}
@@ -66,21 +57,10 @@ class MixtureData:
         key = (source, epoch, draw // size)
         if key not in self._orders:
             # A global batch touches at most two epochs, so a few orders per source suffice.
-            if len(self._orders) >= 4 * len(self.sources):
+            if len(self._orders) >= 4 * len(self.sizes):
                 self._orders.pop(next(iter(self._orders)))
             self._orders[key] = np.random.default_rng([_MIXTURE_STREAM, self.seed, *key]).permutation(size)
         return source, int(self._orders[key][draw % size])
-
-    def sample(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids, targets)`` of one sample, as :meth:`LMData.sample`."""
-        source, inner = self.locate(epoch, index)
-        return self.sources[source].sample(epoch, inner)
-
-    collate = LMData.collate  # needs only ``sample`` and ``dictionary``
-
-    def check_symbols(self, symbols: Sequence[str]) -> None:
-        """UsageError unless ``symbols`` (a checkpoint's) are the sources' vocabulary."""
-        self.sources[0].check_symbols(symbols)
 
     def describe_sources(self) -> list[str]:
         """One line per source: its weight, its share of an epoch and its size."""
@@ -107,33 +87,3 @@ def interleave(counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     draws = np.concatenate([np.arange(count, dtype=np.int64) for count in counts])
     order = np.argsort(times, kind="stable")  # sources are concatenated in order: ties go to the earlier
     return sources[order], draws[order]
-
-
-def load_mixture(config: TrainConfig, sources: Sequence[tuple[float, str]], split: str, task: str,
-                 symbols: Sequence[str] | None, scan: SharedScan | None = None) -> MixtureData:
-    """Split ``split`` of each ``(weight, directory)`` source as the run's settings read it,
-    refusing sources whose vocabularies differ."""
-    settings = config.data
-    directories = [directory for _, directory in sources]
-    vocabularies = [load_vocabulary(directory, task) for directory in directories]
-    for directory, vocabulary in zip(directories[1:], vocabularies[1:]):
-        if vocabulary.symbols != vocabularies[0].symbols:
-            raise UsageError(
-                f"--data sources {directories[0]} and {directory} have different vocabularies "
-                f"({_vocabulary_file(directories[0], vocabularies[0])} vs {_vocabulary_file(directory, vocabulary)}); "
-                f"a mixture needs one: prepare every source with the same dictionary or tokenizer"
-            )
-    parts = [
-        load_lm_data(directory, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
-                     sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
-                     symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan)
-        for directory in directories
-    ]
-    training = split == "train"
-    weights = [weight for weight, _ in sources] if training else [len(part) for part in parts]
-    return MixtureData(parts, directories, weights, config.seed, shuffle=training)
-
-
-def _vocabulary_file(directory: str, vocabulary: object) -> str:
-    name = "dict.txt" if isinstance(vocabulary, Dictionary) else "tokenizer.json"
-    return f"{Path(directory) / name}: {len(vocabulary)} symbols"  # type: ignore[arg-type]
