@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
 from distlm.config import TrainConfig, valid_subsets
-from distlm.data import SharedScan, load_split
+from distlm.data import MixtureData, SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
@@ -100,11 +100,26 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module, max_batches: int | None = None) -> list[ValidationResult]:
-        """The loss over each subset (collective over every rank); ``max_batches`` cuts each short."""
+        """The loss over each subset (collective over every rank), then over each source of a
+        mixture's subsets; ``max_batches`` (and --max-valid-steps) cuts each source short."""
         was_training = model.training
         model.eval()
         try:
-            return [self._subset(name, data, model, max_batches) for name, data in self.subsets.items()]
+            results, per_source = [], []
+            for name, data in self.subsets.items():
+                if not isinstance(data, MixtureData):
+                    results.append(self._subset(name, data, model, max_batches))
+                    continue
+                # A mixture's split holds each sample of its sources' splits once: each source
+                # is validated on its own (SPLIT/SOURCE, after every split's own line), and the
+                # loss over the whole split is their loss sums over their target tokens.
+                parts = [self._subset(f"{name}/{label}", source, model, max_batches)
+                         for label, source in zip(data.index.labels(), data.sources)]
+                per_source += parts
+                tokens = sum(part.target_tokens for part in parts)
+                results.append(ValidationResult(
+                    name, sum(part.loss * part.target_tokens for part in parts) / max(tokens, 1), tokens))
+            return results + per_source
         finally:
             model.train(was_training)
 

@@ -21,6 +21,7 @@ validation loss is over all of the held-out data. The samples themselves are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -61,6 +62,14 @@ class MixtureIndex:
                 self._orders.pop(next(iter(self._orders)))
             self._orders[key] = np.random.default_rng([_MIXTURE_STREAM, self.seed, *key]).permutation(size)
         return source, int(self._orders[key][draw % size])
+
+    def labels(self) -> list[str]:
+        """A short name per source for its validation lines: its directory's name, led by its
+        position when two directories share a name."""
+        names = [Path(name).name or name for name in self.names]
+        if len(set(names)) < len(names):
+            names = [f"{position}-{name}" for position, name in enumerate(names)]
+        return names
 
     def describe_sources(self) -> list[str]:
         """One line per source: its weight, its share of an epoch and its size."""
