@@ -110,7 +110,7 @@ class Trainer:
         check_global_batch(self.sampler, len(self.data), config.data.batch_size, config.data.update_freq)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
-                                   self.model_inputs.masked_positions)
+                                   self.model_inputs.masked_positions, (self.data, self.sampler))
         self.schedule = LRSchedule(config.optim, updates_in_run=math.ceil(
             config.optim.max_epoch * len(self.data) / self.sampler.global_batch_size))
         self.progress = TrainProgress()

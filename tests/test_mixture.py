@@ -4,6 +4,7 @@ consumed-sample count, and bad weights or vocabularies are one line."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -77,6 +78,7 @@ def test_each_sources_share_of_a_run_is_within_a_binomial_bound_of_its_weight(so
     n = 2 * epoch + 157  # over two epochs and part of a third
     drawn = [data.sample(*pair)[0] for pair in sampler.samples_at(np.arange(n))]
     counts = np.bincount([source_of(inputs) for inputs in drawn], minlength=3)
+    assert data.index.drawn(n, sampler.permutation) == counts.tolist()  # what validation lines report
     for (name, weight), count in zip(weights.items(), counts):
         # 4 standard deviations of a binomial(n, weight) share: a weighted random draw of n
         # samples would leave it with probability 6e-5. The stream is tighter than that
@@ -119,15 +121,23 @@ def test_a_run_on_a_mixture_resumes_exactly(sources, tmp_path):
     assert_identical(final_state(tmp_path / "stopped"), final_state(tmp_path / "straight"))
 
 
-def test_a_run_on_a_mixture_trains_and_logs_each_sources_share_and_size(sources, tmp_path, caplog):
-    args = mixture_args(sources, {"a": 0.25, "b": 0.75}, "--max-update", "1", "--no-save", "--save-dir",
-                        str(tmp_path))
+def test_a_run_on_a_mixture_logs_each_sources_share_size_and_training_samples(sources, tmp_path, caplog, capsys):
+    args = mixture_args(sources, {"a": 0.25, "b": 0.75}, "--max-update", "3", "--no-save", "--save-dir",
+                        str(tmp_path), "--log-format", "json")
     with caplog.at_level(logging.INFO, logger="distlm"):
         trainer = Trainer(parse_args(args))
         trainer.fit()
-    assert (trainer.num_updates, trainer.consumed_samples) == (1, 4)
+    assert (trainer.num_updates, trainer.consumed_samples) == (3, 12)
     assert f"data source {sources['a']}: weight 0.25, 100 of each epoch's 400 samples (25.0%), 300 samples" in caplog.text
     assert f"data source {sources['b']}: weight 0.75, 300 of each epoch's 400 samples (75.0%), 100 samples" in caplog.text
+    # The training samples of each source so far, with its validation line: as the 12 samples
+    # the run read say by their words.
+    sampler = GlobalBatchSampler(len(trainer.data), 4, 1, 0, 1, seed=1)
+    read = np.bincount([source_of(trainer.data.sample(*pair)[0]) for pair in sampler.samples_at(np.arange(12))],
+                       minlength=2)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"kind": "valid"' in line]
+    assert {r["subset"]: r.get("train_samples") for r in records} == {
+        "valid": None, "valid/a": int(read[0]), "valid/b": int(read[1])}
 
 
 @pytest.mark.parametrize("data, expected", [

@@ -199,6 +199,11 @@ class MixtureData:
         """The start-up log's line for each source (its share and size)."""
         return self.index.describe_sources()
 
+    def drawn(self, consumed: int, permutation: Callable[[int], np.ndarray]) -> dict[str, int]:
+        """Training samples drawn from each source (by label) in the first ``consumed`` of the
+        stream (``permutation``: the sampler's, see :meth:`MixtureIndex.drawn`)."""
+        return dict(zip(self.index.labels(), self.index.drawn(consumed, permutation)))
+
 
 def load_mixture(config: TrainConfig, sources: Sequence[tuple[float, str]], split: str, task: str,
                  symbols: Sequence[str] | None, scan: SharedScan | None = None) -> MixtureData:

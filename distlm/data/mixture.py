@@ -20,7 +20,7 @@ validation loss is over all of the held-out data. The samples themselves are
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,13 @@ class MixtureIndex:
                 self._orders.pop(next(iter(self._orders)))
             self._orders[key] = np.random.default_rng([_MIXTURE_STREAM, self.seed, *key]).permutation(size)
         return source, int(self._orders[key][draw % size])
+
+    def drawn(self, consumed: int, permutation: Callable[[int], np.ndarray]) -> list[int]:
+        """Samples of each source among the stream's first ``consumed`` positions, where
+        ``permutation(epoch)`` is the order the sampler reads the epoch's indices in."""
+        epochs, offset = divmod(consumed, len(self))
+        partial = np.bincount(self.source_of[permutation(epochs)[:offset]], minlength=len(self.counts))
+        return [epochs * count + int(extra) for count, extra in zip(self.counts, partial)]
 
     def labels(self) -> list[str]:
         """A short name per source for its validation lines: its directory's name, led by its
