@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from distlm.config import parse_data_sources
 from distlm.errors import UsageError
 
 # Settings that may differ between ranks: the rank itself, host-side loading, the log's
@@ -46,7 +47,19 @@ def data_files(path: str | None) -> dict[str, str] | None:
     """Each file of a data directory, by name: its size and a hash of its head (the whole
     dictionary and index files, in practice). None for the built-in corpus or no directory.
 
-    Kept in every checkpoint, so a resume notices data replaced under the same path."""
+    Kept in every checkpoint, so a resume notices data replaced under the same path. A
+    mixture's are each source's, named ``source I/FILE``, and each source's weight."""
+    sources = parse_data_sources(path)
+    if sources is not None:
+        # By position, not path: nodes may keep the same sources under different paths.
+        files: dict[str, str] = {}
+        for index, (weight, directory) in enumerate(sources):
+            each = data_files(directory)
+            if each is None:
+                return None
+            files[f"source {index} weight"] = repr(weight)
+            files.update({f"source {index}/{name}": entry for name, entry in each.items()})
+        return files
     if path is None or not Path(path).is_dir():
         return None
     entries = tuple((entry.name, entry.stat()) for entry in sorted(Path(path).iterdir()) if entry.is_file())

@@ -14,6 +14,8 @@ import dataclasses
 import functools
 import inspect
 import math
+import re
+import shlex
 import sys
 import tomllib
 import types
@@ -96,7 +98,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     data: str | None = None
-    """fairseq-preprocess output directory (dict.txt, train.bin/.idx); default: the built-in corpus."""
+    """fairseq-preprocess output directory (dict.txt, train.bin/.idx); default: the built-in corpus.
+    Several directories with one vocabulary mix by weight: --data 0.3:A 0.7:B (in TOML a list, ["0.3:A", "0.7:B"])."""
     task: str | None = None
     """masked_lm or causal_lm; default: the one the architecture is built for."""
     tokens_per_sample: int = 128
@@ -138,6 +141,51 @@ class DataConfig:
     """Validate on at most this many batches per split (default: the whole split)."""
     batch_size_valid: int | None = None
     """Samples per validation batch per data-parallel rank; default: --batch-size."""
+
+
+# A source of a mixture is WEIGHT:DIR; a plain directory has no such prefix (a slash, if any,
+# comes before its first colon).
+_WEIGHTED_SOURCE = re.compile(r"^[^/:]*:")
+
+
+def parse_data_sources(data: str | None) -> list[tuple[float, str]] | None:
+    """The ``(weight, directory)`` sources of a mixture ``--data``, weights as given; None for one
+    plain directory or the built-in corpus. UsageError for weights that do not parse, are
+    negative or sum to zero."""
+    if isinstance(data, (list, tuple)):  # a Python config may hold the sources as a list
+        data = join_data_sources(data, "--data")
+    if data is None or Path(data).is_dir():
+        return None
+    try:
+        items = shlex.split(data)
+    except ValueError as exc:
+        raise UsageError(f"--data {data!r}: cannot split into WEIGHT:DIR sources ({exc})") from None
+    if len(items) == 1 and not _WEIGHTED_SOURCE.match(items[0]):
+        return None
+    sources = []
+    for item in items:
+        weight, colon, directory = item.partition(":")
+        if not colon or not directory:
+            raise UsageError(f"--data source {item!r} is not WEIGHT:DIR; write a mixture as --data 0.3:A 0.7:B")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise UsageError(f"--data source {item!r}: weight {weight!r} is not a number; write it as 0.3:{directory}")
+        if value < 0:
+            raise UsageError(f"--data source {item!r}: weight {weight} is negative; weights must be 0 or more")
+        sources.append((value, directory))
+    if sum(weight for weight, _ in sources) <= 0:
+        raise UsageError(f"--data {data!r}: the weights sum to 0; give at least one source a positive weight")
+    return sources
+
+
+def join_data_sources(items: Sequence[str], where: str) -> str:
+    """The one ``--data`` string of a list of sources (the flag's words or a TOML list)."""
+    if not items or not all(isinstance(item, str) for item in items):
+        raise UsageError(f"{where} = {list(items)!r}; a mixture is a list of \"WEIGHT:DIR\" strings, e.g. [\"0.3:A\", \"0.7:B\"]")
+    return items[0] if len(items) == 1 else shlex.join(items)
 
 
 def valid_subsets(data: DataConfig) -> list[str]:
@@ -581,7 +629,8 @@ def _add_fields(group, cls: type, dest_prefix: str, only: Sequence[str] | None =
             help_text += f" Choices: {', '.join(CHOICES[f.name])}."
         if f.default is not None and f.default is not dataclasses.MISSING:
             help_text += f" (default: {f.default})"
-        group.add_argument(*flags, dest=dest_prefix + f.name, default=None, metavar=f.name.upper(), help=help_text)
+        group.add_argument(*flags, dest=dest_prefix + f.name, default=None, metavar=f.name.upper(), help=help_text,
+                           nargs="+" if f.name == "data" else None)  # --data 0.3:A 0.7:B
 
 
 def _apply(config: TrainConfig, section: str | None, name: str, raw: Any, origin: str) -> None:
@@ -593,6 +642,8 @@ def _apply(config: TrainConfig, section: str | None, name: str, raw: Any, origin
     if name not in hints:
         where = f" in [{section}]" if section else ""
         raise UsageError(f"{origin}: unknown setting {name!r}{where}{did_you_mean(name, list(hints))}")
+    if name == "data" and isinstance(raw, list):
+        raw = join_data_sources(raw, f"{origin}: [{section}] {name}" if origin.startswith("--config") else origin)
     if origin.startswith("--config"):
         where = f"{origin}: [{section}] {name}" if section else f"{origin}: {name}"
         value = _check_toml_value(hints[name], raw, where)
@@ -643,6 +694,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         _apply(config, section or None, name, raw, flag)
     if args.data_positional is not None:
         flag_data = getattr(args, "data.data")
+        flag_data = None if flag_data is None else join_data_sources(flag_data, "--data")
         if flag_data is not None and flag_data != args.data_positional:
             raise UsageError(f"data given twice: positional {args.data_positional!r} and --data {flag_data!r}")
         config.data.data = args.data_positional
@@ -706,6 +758,7 @@ def check_settings(config: TrainConfig) -> None:
         for name in get_type_hints(cls):
             _check_value(name, getattr(settings, name))
     _check_value("seed", config.seed)
+    parse_data_sources(config.data.data)  # a mixture's weights are refused before anything loads
     if config.model.arch is None and config.model.init_from_hf is None:
         config.model.arch = DEFAULT_ARCH
     if config.distributed.cpu:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlm.checkpoint import TrainProgress
 from distlm.config import TrainConfig, valid_subsets
-from distlm.data import SharedScan, load_split
+from distlm.data import GlobalBatchSampler, MixtureData, SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.distributed import DistContext
@@ -71,8 +71,11 @@ class Validator:
     def __init__(self, config: TrainConfig, ctx: DistContext, subsets: dict[str, Any],
                  compute_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor], loss_context: Callable,
                  local_loss: Callable[[torch.Tensor], torch.Tensor], autocast: Callable, pad_to: int | None = None,
-                 positions: bool = True):
+                 positions: bool = True, training: tuple[Any, GlobalBatchSampler] | None = None):
         self.config, self.ctx, self.subsets, self.pad_to, self.positions = config, ctx, subsets, pad_to, positions
+        self.training = training
+        """The training data and its sampler: a mixture's per-source lines say how many training
+        samples each source has given so far."""
         self.compute_loss, self.loss_context, self.local_loss, self.autocast = (
             compute_loss, loss_context, local_loss, autocast)
         self.enabled = bool(subsets)
@@ -100,11 +103,26 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module, max_batches: int | None = None) -> list[ValidationResult]:
-        """The loss over each subset (collective over every rank); ``max_batches`` cuts each short."""
+        """The loss over each subset (collective over every rank), then over each source of a
+        mixture's subsets; ``max_batches`` (and --max-valid-steps) cuts each source short."""
         was_training = model.training
         model.eval()
         try:
-            return [self._subset(name, data, model, max_batches) for name, data in self.subsets.items()]
+            results, per_source = [], []
+            for name, data in self.subsets.items():
+                if not isinstance(data, MixtureData):
+                    results.append(self._subset(name, data, model, max_batches))
+                    continue
+                # A mixture's split holds each sample of its sources' splits once: each source
+                # is validated on its own (SPLIT/SOURCE, after every split's own line), and the
+                # loss over the whole split is their loss sums over their target tokens.
+                parts = [self._subset(f"{name}/{label}", source, model, max_batches)
+                         for label, source in zip(data.index.labels(), data.sources)]
+                per_source += parts
+                tokens = sum(part.target_tokens for part in parts)
+                results.append(ValidationResult(
+                    name, sum(part.loss * part.target_tokens for part in parts) / max(tokens, 1), tokens))
+            return results + per_source
         finally:
             model.train(was_training)
 
@@ -176,8 +194,16 @@ class Validator:
         return stop
 
     def log_records(self, results: list[ValidationResult], progress: TrainProgress) -> list[dict[str, Any]]:
-        return [
+        records = [
             {"subset": r.subset, "update": progress.num_updates, "loss": significant(r.loss), "ppl": significant(r.ppl),
              f"best_{self.metric}": significant(progress.best)}
             for r in results
         ]
+        data, sampler = self.training or (None, None)
+        if isinstance(data, MixtureData):
+            drawn = data.drawn(progress.consumed_samples, sampler.permutation)
+            for record in records:
+                label = record["subset"].partition("/")[2]
+                if label in drawn:
+                    record["train_samples"] = drawn[label]
+        return records

@@ -31,6 +31,8 @@ def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | Non
     dictionary = getattr(data, "dictionary", None)
     logger.info("data: %d training samples%s", len(data),
                 f", vocabulary of {len(dictionary)} symbols" if dictionary is not None else "")
+    for line in getattr(data, "describe_sources", list)():  # a mixture's sources (distlm/data/mixture.py)
+        logger.info("data source %s", line)
     held = memory_report(model, None)
     if stage_sizes is None:
         logger.info("model: %s parameters, %.1f MiB of weights on each rank (%s)",

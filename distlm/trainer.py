@@ -106,7 +106,7 @@ class Trainer:
                                         self.ctx.is_main)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
                                    self.handle.local_loss, self._autocast, self.fixed_length,
-                                   self.model_inputs.masked_positions)
+                                   self.model_inputs.masked_positions, (self.data, self.sampler))
         self.schedule = LRSchedule(config.optim, updates_in_run=self.sampler.updates_in_epochs(config.optim.max_epoch))
         self.progress = TrainProgress()
         self.states = {**training_states(self.model, self.optimizer, self.precision.scaler, self.progress,

@@ -9,7 +9,7 @@ from distlm.data.blocks import TokenBlockDataset, compute_block_boundaries
 from distlm.data.dictionary import Dictionary, Vocabulary
 from distlm.data.hf_tokenizer import HFVocabulary, save_tokenizer
 from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
-from distlm.data.lm_dataset import LMData, SharedScan, load_lm_data, load_split, load_vocabulary
+from distlm.data.lm_dataset import LMData, MixtureData, SharedScan, load_lm_data, load_split, load_vocabulary
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
 from distlm.data.sampler import GlobalBatchSampler
 from distlm.data.tokenizer import ByteTokenizer, byte_dictionary, write_hf_tokenizer
@@ -23,6 +23,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LMData",
     "MMapIndexedDataset",
+    "MixtureData",
     "SharedScan",
     "TokenBlockDataset",
     "Vocabulary",

@@ -95,8 +95,8 @@ def training_sampler(config: Any, data: Any, dp_rank: int, dp_size: int, fixed_l
         raise UsageError("--max-tokens makes batches of varying shapes, which --compile, pipeline parallelism and "
                          "static-shape devices cannot take: use --batch-size there")
     if not hasattr(data, "sizes"):
-        raise UsageError("--max-tokens needs the training data's sample lengths (a `sizes` array on the data "
-                         "handed to the Trainer): add it, or batch with --batch-size")
+        raise UsageError("--max-tokens needs the training data's sample lengths, which a mixture of --data sources "
+                         "and data handed to the Trainer without a `sizes` array do not give: batch with --batch-size")
     sampler = TokenBudgetSampler(data.sizes, settings.max_tokens, settings.batch_size,
                                  settings.required_batch_size_multiple, settings.update_freq, dp_rank, dp_size,
                                  config.seed, settings.skip_invalid_size_inputs_valid_test)

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from distlm.choices import SAMPLE_BREAK_MODES, TASKS
-from distlm.config import TrainConfig
+from distlm.config import TrainConfig, parse_data_sources
 from distlm.data.blocks import TokenBlockDataset
 from distlm.data.corpus import ensure_builtin_corpus
 from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
 from distlm.data.hf_tokenizer import HFVocabulary, is_hf_tokenizer_dir
 from distlm.data.indexed_dataset import MMapIndexedDataset
 from distlm.data.masking import IGNORE_INDEX, DynamicMasker
+from distlm.data.mixture import MixtureIndex
 from distlm.errors import UsageError
 
 _EXPECTED_LAYOUT = (
@@ -176,16 +177,87 @@ class LMData:
 
 
 def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None,
-               scan: SharedScan | None = None) -> LMData:
-    """Split ``split`` of ``--data`` (the built-in corpus by default) as the run's settings
-    read it; ``symbols`` from a checkpoint must agree with its vocabulary."""
+               scan: SharedScan | None = None) -> LMData | MixtureData:
+    """Split ``split`` of ``--data`` (the built-in corpus by default, or a weighted mixture of
+    directories) as the run's settings read it; ``symbols`` from a checkpoint must agree
+    with its vocabulary."""
     settings = config.data
+    sources = parse_data_sources(settings.data)
+    if sources is not None:
+        return load_mixture(config, sources, split, task, symbols, scan)
     return load_lm_data(
         settings.data, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
         sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
         symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan,
         document_mask=settings.document_mask,
     )
+
+
+class MixtureData:
+    """Samples of one split of several data directories with one vocabulary, mixed by weight
+    (``--data 0.3:A 0.7:B``); build it with :func:`load_mixture`. ``index`` picks the source
+    and sample of each mixture index (see :mod:`distlm.data.mixture`)."""
+
+    def __init__(self, sources: Sequence[LMData], index: MixtureIndex) -> None:
+        self.sources, self.index = list(sources), index
+        first = self.sources[0]
+        self.dictionary, self.tokenizer_dir = first.dictionary, first.tokenizer_dir
+        self.task, self.tokens_per_sample, self.fixed_masks = first.task, first.tokens_per_sample, first.fixed_masks
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def sample(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, targets)`` of one sample, as :meth:`LMData.sample`."""
+        source, inner = self.index.locate(epoch, index)
+        return self.sources[source].sample(epoch, inner)
+
+    collate = LMData.collate  # it needs only ``sample`` and ``dictionary``
+
+    def check_symbols(self, symbols: Sequence[str]) -> None:
+        """UsageError unless ``symbols`` (a checkpoint's) are the sources' vocabulary."""
+        self.sources[0].check_symbols(symbols)
+
+    def describe_sources(self) -> list[str]:
+        """The start-up log's line for each source (its share and size)."""
+        return self.index.describe_sources()
+
+    def drawn(self, consumed: int, permutation: Callable[[int], np.ndarray]) -> dict[str, int]:
+        """Training samples drawn from each source (by label) in the first ``consumed`` of the
+        stream (``permutation``: the sampler's, see :meth:`MixtureIndex.drawn`)."""
+        return dict(zip(self.index.labels(), self.index.drawn(consumed, permutation)))
+
+
+def load_mixture(config: TrainConfig, sources: Sequence[tuple[float, str]], split: str, task: str,
+                 symbols: Sequence[str] | None, scan: SharedScan | None = None) -> MixtureData:
+    """Split ``split`` of each ``(weight, directory)`` source as the run's settings read it,
+    refusing sources whose vocabularies differ. Every split but ``train`` mixes its sources
+    by their sizes, each sample once, so that validation covers all of the held-out data."""
+    settings = config.data
+    directories = [directory for _, directory in sources]
+    vocabularies = [load_vocabulary(directory, task) for directory in directories]
+    for directory, vocabulary in zip(directories[1:], vocabularies[1:]):
+        if vocabulary.symbols != vocabularies[0].symbols:
+            raise UsageError(
+                f"--data sources {directories[0]} and {directory} have different vocabularies "
+                f"({_vocabulary_file(directories[0], vocabularies[0])} vs {_vocabulary_file(directory, vocabulary)}); "
+                f"a mixture needs one: prepare every source with the same dictionary or tokenizer"
+            )
+    parts = [
+        load_lm_data(directory, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
+                     sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
+                     symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan)
+        for directory in directories
+    ]
+    training = split == "train"
+    weights = [weight for weight, _ in sources] if training else [len(part) for part in parts]
+    index = MixtureIndex([len(part) for part in parts], weights, directories, config.seed, shuffle=training)
+    return MixtureData(parts, index)
+
+
+def _vocabulary_file(directory: str, vocabulary: Vocabulary) -> str:
+    name = "dict.txt" if isinstance(vocabulary, Dictionary) else "tokenizer.json"
+    return f"{Path(directory) / name}: {len(vocabulary)} symbols"
 
 
 def load_lm_data(
