@@ -219,3 +219,21 @@ def test_each_source_is_validated_on_its_own_and_the_split_is_their_token_weight
     loss, tokens = results(str(both))["valid"]
     assert mixed["valid"][1] == tokens == mixed["valid/a"][1] + mixed["valid/b"][1]
     assert mixed["valid"][0] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_mixture_packs_with_document_masks_as_each_source_does(sources):
+    """--document-mask over a mixture: each sample's document ids and its first-token targets
+    are those its own source gives it."""
+    config = parse_args(mixture_args(sources, {"a": 0.5, "b": 0.5}, "--sample-break-mode", "none",
+                                     "--document-mask", "--no-save"))
+    mixture = load_split(config, "train", "causal_lm", None)
+    pairs = [(0, index) for index in range(6)]
+    batch = mixture.collate(pairs)
+    for row, (epoch, index) in enumerate(pairs):
+        source, inner = mixture.index.locate(epoch, index)
+        own = mixture.sources[source]
+        inputs, targets = own.sample(epoch, inner)
+        assert np.array_equal(batch["input_ids"][row, :len(inputs)].numpy(), inputs)
+        assert np.array_equal(batch["targets"][row, :len(targets)].numpy(), targets)
+        assert np.array_equal(batch["document_ids"][row, :len(inputs)].numpy(), own.document_ids(epoch, inner)[:-1])
+    assert (batch["targets"] == -100).any()  # some sample holds a document start, which predicts nothing

@@ -170,10 +170,14 @@ class LMData:
         }
         if self.document_mask:
             documents = np.full((len(samples), width), -1, dtype=np.int64)
-            for row, (_, index) in enumerate(pairs):
-                documents[row, : len(samples[row][0])] = self.blocks.sentence_ids(index)[:-1]
+            for row, (epoch, index) in enumerate(pairs):
+                documents[row, : len(samples[row][0])] = self.document_ids(epoch, index)[:-1]
             batch["document_ids"] = torch.from_numpy(documents)
         return batch
+
+    def document_ids(self, epoch: int, index: int) -> np.ndarray:
+        """Which document each token of sample ``index`` belongs to (for document masking)."""
+        return self.blocks.sentence_ids(index)
 
 
 def load_split(config: TrainConfig, split: str, task: str, symbols: Sequence[str] | None,
@@ -203,6 +207,7 @@ class MixtureData:
         first = self.sources[0]
         self.dictionary, self.tokenizer_dir = first.dictionary, first.tokenizer_dir
         self.task, self.tokens_per_sample, self.fixed_masks = first.task, first.tokens_per_sample, first.fixed_masks
+        self.document_mask = first.document_mask
 
     def __len__(self) -> int:
         return len(self.index)
@@ -212,7 +217,12 @@ class MixtureData:
         source, inner = self.index.locate(epoch, index)
         return self.sources[source].sample(epoch, inner)
 
-    collate = LMData.collate  # it needs only ``sample`` and ``dictionary``
+    def document_ids(self, epoch: int, index: int) -> np.ndarray:
+        """As :meth:`LMData.document_ids`, from the sample's source."""
+        source, inner = self.index.locate(epoch, index)
+        return self.sources[source].document_ids(epoch, inner)
+
+    collate = LMData.collate  # it needs only ``sample``, ``document_ids`` and ``dictionary``
 
     def check_symbols(self, symbols: Sequence[str]) -> None:
         """UsageError unless ``symbols`` (a checkpoint's) are the sources' vocabulary."""
@@ -246,7 +256,8 @@ def load_mixture(config: TrainConfig, sources: Sequence[tuple[float, str]], spli
     parts = [
         load_lm_data(directory, split=split, task=task, tokens_per_sample=settings.tokens_per_sample,
                      sample_break_mode=settings.sample_break_mode, seed=config.seed, mask_prob=settings.mask_prob,
-                     symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan)
+                     symbols=symbols, mask_special_tokens=settings.mask_special_tokens, scan=scan,
+                     document_mask=settings.document_mask)
         for directory in directories
     ]
     training = split == "train"
