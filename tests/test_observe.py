@@ -415,6 +415,8 @@ def test_failing_tracker_is_one_warning_and_the_others_go_on(caplog):
         "valid/test/loss": 1.5, "valid/test/best_loss": 1.5}
     assert record_tags({"subset": "valid", "update": 3, "loss": 1.5}, "valid") == {"valid/loss": 1.5}
     assert record_tags({"subset": "test", "loss": 1.5}, "valid", main_subset="test") == {"valid/loss": 1.5}
+    # A mixture's source of the main subset, validated as valid/SOURCE.
+    assert record_tags({"subset": "valid/wiki", "loss": 1.5}, "valid") == {"valid/wiki/loss": 1.5}
 
 
 def test_report_reads_fairseq_train_inner_and_valid_records():

@@ -71,12 +71,14 @@ def _importable(module: str) -> bool:
 def record_tags(record: dict[str, Any], kind: str, main_subset: str = "valid") -> dict[str, float]:
     """The numbers of one log record under their tracker tags; None and text are left out.
     ``main_subset``: the first of --valid-subset, whose tags have no subset part (fairseq's
-    ``valid/loss``); an extra subset's are ``valid/<subset>/<key>``."""
+    ``valid/loss``); an extra subset's are ``valid/<subset>/<key>``, and a mixture's source of
+    the main subset (validated as ``<main_subset>/<source>``) is ``valid/<source>/<key>``."""
     if kind == "train":
         prefix = "train/"
     elif kind == "valid":
         subset = record.get("subset", main_subset)
-        prefix = "valid/" if subset == main_subset else f"valid/{subset}/"
+        part = "" if subset == main_subset else subset.removeprefix(f"{main_subset}/")
+        prefix = f"valid/{part}/" if part else "valid/"
     else:
         return {}
     return {prefix + key: float(value) for key, value in record.items()
