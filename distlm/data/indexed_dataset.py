@@ -19,6 +19,7 @@ fits exactly one layout. The two projects also disagree about dtype code 7.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -260,6 +261,16 @@ class IndexedDatasetBuilder:
             )
         self._data_file.write(values.astype(self.dtype).tobytes())
         self._sizes.append(values.size)
+
+    def merge(self, prefix: str | os.PathLike) -> None:
+        """Append every sequence of the finished dataset at ``prefix``, which must hold this
+        builder's dtype (Megatron's ``merge_file_``): parts written in parallel become one."""
+        part = MMapIndexedDataset(prefix)
+        if part.dtype != self.dtype:
+            raise UsageError(f"write_indexed_dataset {self.prefix}: {prefix} holds {part.dtype}, not {self.dtype}")
+        with open(data_path(prefix), "rb") as data_file:
+            shutil.copyfileobj(data_file, self._data_file)
+        self._sizes.extend(part.sizes.tolist())
 
     def __len__(self) -> int:
         return len(self._sizes)
