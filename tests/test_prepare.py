@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from distlm.data import MMapIndexedDataset, load_lm_data  # noqa: E402
 from distlm.data import corpus  # noqa: E402
 from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, save_tokenizer  # noqa: E402
+from distlm.data import prepare as prepare_module  # noqa: E402
 from distlm.data.prepare import choose_valid_documents, main, prepare  # noqa: E402
 from distlm.errors import UsageError  # noqa: E402
 from distlm.prepare import main as prepare_main  # noqa: E402
@@ -175,6 +177,21 @@ def test_jsonl_and_parquet_files_on_two_workers_give_the_plain_texts_data(
         assert (tmp_path / "jsonl" / name).read_bytes() == (out / name).read_bytes(), name
         assert (tmp_path / "parquet" / name).read_bytes() == (out / name).read_bytes(), name
     assert not list((tmp_path / "parquet").glob(".*partial*"))
+
+
+def exit_at_once(task):
+    os._exit(9)
+
+
+def test_a_worker_that_dies_is_one_line_and_leaves_no_parts(tmp_path, tokenizer_dir, text_input, monkeypatch, capsys):
+    # The workers are forked, so they run the patched function: a worker killed while it encodes.
+    monkeypatch.setattr(prepare_module, "_encode_part", exit_at_once)
+    assert main(["--tokenizer", str(tokenizer_dir), "--input", str(text_input), str(text_input), "--out",
+                 str(tmp_path / "out"), "--workers", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("distlm.data.prepare: error: a --workers process died while it encoded"), lines
+    assert not any(line.startswith("distlm") for line in lines[:-1])  # the rest is the progress bar
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == []
 
 
 def test_command_line_prints_rates(tmp_path, tokenizer_dir, documents, capsys):

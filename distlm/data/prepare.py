@@ -39,6 +39,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -266,9 +268,9 @@ def prepare(
     paths = [Path(path) for path in inputs]
     started = time.perf_counter()
     # No more processes than files: a file is one worker's.
-    with _file_pool(min(workers, len(paths))) as pool:
+    with _Workers(min(workers, len(paths))) as pool:
         # First pass: count (and validate) every document before anything is written.
-        counts = list(_map(pool, _count_file, [(path, text_key) for path in paths]))
+        counts = list(pool.map(_count_file, [(path, text_key) for path in paths]))
         num_documents = sum(counts)
         if num_documents == 0:
             raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and "
@@ -301,50 +303,66 @@ class _FileSet:
         return self.paths[index], self.text_key, held_out, tokenizer_dir, part_prefix, splits, dtype
 
 
-# The processes of a --workers pool. They are forked: a spawned worker would import
-# distlm.data, and with it torch, again (over a second each). Set in each worker by _start_worker.
-_worker_progress = None
+class _Workers:
+    """``workers`` processes for the files, or this process alone for 1.
+
+    A ``concurrent.futures`` pool, because it reports a worker that died (killed, out of
+    memory) where ``multiprocessing.Pool`` waits for its task forever. Its processes are
+    forked: a spawned one would import distlm.data, and with it torch, again (over a second
+    each). On an error the workers stop at their next batch and remove the parts they wrote.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.executor = None
+        if workers > 1:
+            context = multiprocessing.get_context("fork")
+            self.progress, self.stop = context.Value("q", 0), context.Value("b", 0)
+            self.executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                                initargs=(self.progress, self.stop))
+
+    def map(self, function, tasks: list) -> Iterator:
+        """``function`` over ``tasks``, results in order."""
+        return map(function, tasks) if self.executor is None else self.executor.map(function, tasks)
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.shut_down(stop=exc_type is not None)
+
+    def shut_down(self, stop: bool) -> None:
+        """Wait for the workers to end, after asking them to stop at their next batch with ``stop``."""
+        if self.executor is not None:
+            if stop:
+                self.stop.value = 1
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor = None
+
+
+# Set in each worker process by _start_worker.
+_worker_state: tuple = ()
 _worker_tokenizers: dict = {}
 
 
-def _file_pool(workers: int):
-    """A pool of ``workers`` processes for the files, or a stand-in that runs them here for 1."""
-    if workers <= 1:
-        return _NoPool()
-    context = multiprocessing.get_context("fork")
-    progress = context.Value("q", 0)
-    pool = context.Pool(workers, initializer=_start_worker, initargs=(progress,))
-    pool.progress = progress
-    return pool
-
-
-class _NoPool:
-    progress = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        pass
-
-
-def _start_worker(progress) -> None:
-    global _worker_progress
-    _worker_progress = progress
+def _start_worker(progress, stop) -> None:
+    global _worker_state
+    _worker_state = (progress, stop)
     # The processes are the parallelism: tokenizers' own threads in each would oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _map(pool, function, tasks: list) -> Iterator:
-    """``function`` over ``tasks``, results in order: here, or in the pool's processes."""
-    if isinstance(pool, _NoPool):
-        return map(function, tasks)
-    return pool.imap(function, tasks)
+def _stop_if_asked() -> None:
+    if _worker_state and _worker_state[1].value:
+        raise UsageError("stopped: another file failed")
 
 
 def _count_file(task: tuple) -> int:
     path, text_key = task
-    return sum(1 for _ in file_documents(path, text_key))
+    count = 0
+    for count, _ in enumerate(file_documents(path, text_key), start=1):
+        if count % ENCODE_BATCH == 0:
+            _stop_if_asked()
+    return count
 
 
 def _load_tokenizer(tokenizer_dir: Path) -> tuple:
@@ -403,7 +421,7 @@ def _tokenize(loaded: tuple, files: _FileSet, tokenizer_dir: Path, out: Path, dt
     from tqdm import tqdm
 
     with tqdm(total=len(files.is_valid), unit="doc", disable=not progress, file=sys.stderr) as bar:
-        if isinstance(pool, _NoPool):
+        if pool.executor is None:
             for index in range(len(files.paths)):
                 path, text_key, held_out, *_ = files.task(index, tokenizer_dir, "", [], dtype)
                 _encode_file(loaded, path, text_key, held_out, builders, bar.update)
@@ -411,23 +429,23 @@ def _tokenize(loaded: tuple, files: _FileSet, tokenizer_dir: Path, out: Path, dt
         splits = list(builders)
         tasks = [files.task(index, tokenizer_dir, os.fspath(out / f".{{split}}.partial.{index}"), splits, dtype)
                  for index in range(len(files.paths))]
-        results = pool.imap(_encode_part, tasks)
         try:
-            _join_parts(tasks, results, builders, bar, pool)
+            _join_parts(pool, tasks, builders, bar)
         except BaseException:
-            pool.terminate()  # before the caller removes the parts, so that no worker writes one after
-            pool.join()
+            pool.shut_down(stop=True)  # before the caller removes the parts, so that no worker writes one after
             raise
 
 
-def _join_parts(tasks: list, results, builders: dict, bar, pool) -> None:
-    for task in tasks:
-        while True:
-            try:
-                results.next(timeout=0.2)
-                break
-            except multiprocessing.TimeoutError:
-                bar.update(pool.progress.value - bar.n)
+def _join_parts(pool: _Workers, tasks: list, builders: dict, bar) -> None:
+    futures = [pool.executor.submit(_encode_part, task) for task in tasks]
+    for task, future in zip(tasks, futures):
+        while not wait([future], timeout=0.2).done:
+            bar.update(pool.progress.value - bar.n)
+        try:
+            future.result()
+        except BrokenProcessPool:
+            raise UsageError(f"a --workers process died while it encoded {task[0]} (killed, or out of memory?); "
+                             f"rerun, with fewer --workers if memory is short") from None
         # Joined in input order, so the data is the one a single process writes.
         for split, builder in builders.items():
             part = task[4].format(split=split)
@@ -447,8 +465,9 @@ def _encode_part(task: tuple) -> None:
                 for split in splits}
 
     def report(count: int) -> None:
-        with _worker_progress.get_lock():
-            _worker_progress.value += count
+        with _worker_state[0].get_lock():
+            _worker_state[0].value += count
+        _stop_if_asked()
 
     try:
         _encode_file(_worker_tokenizers[tokenizer_dir], path, text_key, held_out, builders, report)
