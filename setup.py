@@ -16,6 +16,8 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "bench": ["matplotlib"],
         "hf": ["transformers>=4.40", "tokenizers"],
+        # python -m distlm.prepare --input *.parquet
+        "data": ["pyarrow"],
         # --tensorboard-logdir, --wandb-project, --mlflow-tracking-uri; distlm.report uses [bench]'s matplotlib.
         "trackers": ["tensorboard", "wandb", "mlflow-skinny"],
         # Tests only: tests/test_examples.py loads examples/parallelcluster/*.yaml through

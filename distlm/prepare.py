@@ -3,7 +3,8 @@
 Without ``--tokenizer HF_DIR`` it trains a byte-level BPE (or ``--tokenizer-model unigram``)
 tokenizer on the text and writes it beside the data, which ``--data DIR`` then trains on;
 checkpoints and ``python -m distlm.export --hf`` carry that tokenizer, so
-``transformers.AutoTokenizer`` loads the export. The work is distlm/data/prepare.py's
+``transformers.AutoTokenizer`` loads the export. Inputs are plain text, JSON lines or
+Parquet (``--text-key``), read by ``--workers`` processes. The work is distlm/data/prepare.py's
 (``python -m distlm.data.prepare`` is the same command).
 """
 

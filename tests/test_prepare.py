@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from distlm.data import MMapIndexedDataset, load_lm_data  # noqa: E402
 from distlm.data import corpus  # noqa: E402
 from distlm.data.hf_tokenizer import HFVocabulary, copy_tokenizer_files, save_tokenizer  # noqa: E402
+from distlm.data import prepare as prepare_module  # noqa: E402
 from distlm.data.prepare import choose_valid_documents, main, prepare  # noqa: E402
 from distlm.errors import UsageError  # noqa: E402
 from distlm.prepare import main as prepare_main  # noqa: E402
@@ -130,14 +132,66 @@ def test_jsonl_input_gives_the_same_data_and_the_seed_decides_the_split(
     for name in ("train.bin", "train.idx", "valid.bin", "valid.idx"):
         assert (tmp_path / "jsonl" / name).read_bytes() == (out / name).read_bytes()
 
-    # --json-key reads any file name as JSON lines, under that key.
+    # --text-key reads any file name as JSON lines, under that key.
     renamed = tmp_path / "docs.data"
     renamed.write_text("".join(json.dumps({"body": doc}) + "\n" for doc in documents))
-    prepare(tokenizer_dir, [renamed], tmp_path / "key", json_key="body", valid_fraction=VALID_FRACTION, seed=4,
+    prepare(tokenizer_dir, [renamed], tmp_path / "key", text_key="body", valid_fraction=VALID_FRACTION, seed=4,
             progress=False)
     assert (tmp_path / "key" / "train.bin").read_bytes() != (out / "train.bin").read_bytes()
     together = sorted(s.tobytes() for split in ("train", "valid") for s in read_split(tmp_path / "key", split))
     assert together == sorted(s.tobytes() for split in ("train", "valid") for s in read_split(out, split))
+
+
+def test_jsonl_and_parquet_files_on_two_workers_give_the_plain_texts_data(
+    prepared, tmp_path, tokenizer_dir, documents, capsys
+):
+    """Several files read by a pool of 2 processes, each encoding its own part: the parts
+    joined in input order are byte for byte the data of one plain-text file, one process."""
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet
+
+    out, _ = prepared
+    thirds = np.array_split(np.arange(len(documents)), 3)
+    jsonl_inputs = []
+    for number, third in enumerate(thirds):
+        path = tmp_path / f"part{number}.jsonl"
+        path.write_text("".join(json.dumps({"text": documents[i], "id": int(i)}) + "\n" for i in third))
+        jsonl_inputs.append(path)
+    parquet_inputs = []
+    for number, third in enumerate(thirds):
+        path = tmp_path / f"part{number}.parquet"
+        # An empty text is skipped as a blank paragraph is; small row groups make the record
+        # batches cross them.
+        texts = [documents[i] for i in third] + ([""] if number == 1 else [])
+        table = pyarrow.table({"id": list(range(len(texts))), "body": texts})
+        pyarrow.parquet.write_table(table, path, row_group_size=37)
+        parquet_inputs.append(path)
+
+    assert main(["--tokenizer", str(tokenizer_dir), "--input", *map(str, jsonl_inputs), "--out",
+                 str(tmp_path / "jsonl"), "--valid-fraction", str(VALID_FRACTION), "--seed", "3", "--workers", "2"]) == 0
+    # The progress bar counts the documents the workers encoded, all of them by the end.
+    assert f"{len(documents)}/{len(documents)}" in capsys.readouterr().err
+    prepare(tokenizer_dir, parquet_inputs, tmp_path / "parquet", text_key="body", valid_fraction=VALID_FRACTION,
+            seed=3, progress=False, workers=2)
+    for name in ("train.bin", "train.idx", "valid.bin", "valid.idx"):
+        assert (tmp_path / "jsonl" / name).read_bytes() == (out / name).read_bytes(), name
+        assert (tmp_path / "parquet" / name).read_bytes() == (out / name).read_bytes(), name
+    assert not list((tmp_path / "parquet").glob(".*partial*"))
+
+
+def exit_at_once(task):
+    os._exit(9)
+
+
+def test_a_worker_that_dies_is_one_line_and_leaves_no_parts(tmp_path, tokenizer_dir, text_input, monkeypatch, capsys):
+    # The workers are forked, so they run the patched function: a worker killed while it encodes.
+    monkeypatch.setattr(prepare_module, "_encode_part", exit_at_once)
+    assert main(["--tokenizer", str(tokenizer_dir), "--input", str(text_input), str(text_input), "--out",
+                 str(tmp_path / "out"), "--workers", "2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("distlm.data.prepare: error: a --workers process died while it encoded"), lines
+    assert not any(line.startswith("distlm") for line in lines[:-1])  # the rest is the progress bar
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == []
 
 
 def test_command_line_prints_rates(tmp_path, tokenizer_dir, documents, capsys):
@@ -548,6 +602,11 @@ def test_byte_level_tokenizer_files_are_the_ones_tokenizers_writes(tmp_path, mon
         ("lone_surrogate", "line 2: 'text' holds '\\ud800', a lone UTF-16 surrogate"),
         ("out_holds_dict_txt", "holds a dict.txt (a fairseq vocabulary)"),
         ("out_holds_another_tokenizer", "holds the data of another tokenizer"),
+        ("bad_json_line_in_a_worker", "docs.jsonl line 2 is not valid JSON"),
+        ("parquet_without_the_column", "docs.parquet has no column 'text' (its columns: 'id', 'body'); pass --text-key"),
+        ("parquet_null_text", "docs.parquet row 1: 'text' is null, not text"),
+        ("not_parquet", "docs.parquet is not a Parquet file"),
+        ("no_workers", "--workers 0 must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, tokenizer_dir, capsys):
@@ -578,15 +637,32 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
     elif case == "bad_fraction":
         extra = ["--valid-fraction", "1.5"]
     elif case == "unknown_flag":
-        extra = ["--workers", "3"]
+        extra = ["--shards", "3"]
     elif case == "lone_surrogate":
         jsonl.write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800"}\n')
         args["--input"] = str(jsonl)
+    elif case == "bad_json_line_in_a_worker":
+        jsonl.write_text('{"text": "fine"}\n{"text": "broken\n')
+        args["--input"] = f"{text} {jsonl}"
+        extra = ["--workers", "2"]
+    elif case.startswith("parquet"):
+        pyarrow = pytest.importorskip("pyarrow")
+        import pyarrow.parquet
+
+        columns = {"id": [1, 2], "body": ["a", "b"]} if case == "parquet_without_the_column" else {"text": ["a", None]}
+        pyarrow.parquet.write_table(pyarrow.table(columns), tmp_path / "docs.parquet")
+        args["--input"] = str(tmp_path / "docs.parquet")
+    elif case == "not_parquet":
+        pytest.importorskip("pyarrow")
+        (tmp_path / "docs.parquet").write_text('{"text": "JSON lines under the wrong name"}\n')
+        args["--input"] = str(tmp_path / "docs.parquet")
+    elif case == "no_workers":
+        extra = ["--workers", "0"]
     elif case.startswith("out_holds"):
         (tmp_path / "out").mkdir()
         name = "dict.txt" if case == "out_holds_dict_txt" else "tokenizer.json"
         (tmp_path / "out" / name).write_text("another vocabulary\n")
-    argv = [item for pair in args.items() for item in pair] + extra
+    argv = [word for flag, value in args.items() for word in [flag, *value.split(" ")]] + extra
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -594,6 +670,7 @@ def test_bad_input_is_one_line_and_exit_status_2(case, expected, tmp_path, token
     assert len(lines) == 1 and lines[0].startswith("distlm.data.prepare: error: "), captured.err
     assert expected in lines[0]
     assert not (tmp_path / "out" / "train.idx").exists()
+    assert not list((tmp_path / "out").glob(".*partial*"))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,9 @@ fits exactly one layout. The two projects also disagree about dtype code 7.
 
 from __future__ import annotations
 
+import array
 import os
+import shutil
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -243,7 +245,8 @@ class IndexedDatasetBuilder:
         self.flavour = flavour
         self._code = _dtype_code(self.dtype, flavour)
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
-        self._sizes: list[int] = []
+        # 8 bytes a sequence, where a list of ints took about 36: a corpus can hold many millions.
+        self._sizes = array.array("q")
         self._data_file = open(data_path(prefix), "wb")
 
     def add(self, sequence: Iterable[int] | np.ndarray) -> None:
@@ -260,6 +263,16 @@ class IndexedDatasetBuilder:
             )
         self._data_file.write(values.astype(self.dtype).tobytes())
         self._sizes.append(values.size)
+
+    def merge(self, prefix: str | os.PathLike) -> None:
+        """Append every sequence of the finished dataset at ``prefix``, which must hold this
+        builder's dtype (Megatron's ``merge_file_``): parts written in parallel become one."""
+        part = MMapIndexedDataset(prefix)
+        if part.dtype != self.dtype:
+            raise UsageError(f"write_indexed_dataset {self.prefix}: {prefix} holds {part.dtype}, not {self.dtype}")
+        with open(data_path(prefix), "rb") as data_file:
+            shutil.copyfileobj(data_file, self._data_file)
+        self._sizes.extend(part.sizes.astype(np.int64))
 
     def __len__(self) -> int:
         return len(self._sizes)

@@ -12,8 +12,13 @@ at most ``--vocab-size`` tokens is first trained on the training documents (see
 into the same directory replaces the tokenizer it trained there, with all its data.
 
 Input files are plain text, one document per paragraph (paragraphs are separated by
-blank lines), or JSON lines with the document's text under ``--json-key`` (files named
-``*.jsonl``/``*.json``, or every file when ``--json-key`` is given). Each document is
+blank lines), JSON lines with the document's text under ``--text-key`` (files named
+``*.jsonl``/``*.json``, or every file but Parquet when ``--text-key`` is given), or Parquet
+files (``*.parquet``, read with pyarrow: ``pip install 'distlm[data]'``) with the text in the
+``--text-key`` column. Files are streamed, JSON lines line by line and Parquet by record
+batches, so memory does not grow with the text; ``--workers N`` reads and encodes N files
+at a time, each into its own part, and the parts are joined in input order, so the output
+does not depend on N. Each document is
 encoded without the tokenizer's own special tokens, and the tokenizer's end-of-document
 token (its eos) is appended, as ``fairseq-preprocess`` and Megatron's ``--append-eod`` do;
 the training pipeline adds ``<s>`` for masked LMs. A special token's spelling inside a
@@ -26,12 +31,16 @@ The rest keep their input order in the training split, and only they train a tok
 
 from __future__ import annotations
 
+import itertools
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -50,18 +59,24 @@ from distlm.data.hf_tokenizer import (
     train_tokenizer,
 )
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
-from distlm.errors import OneLineErrorParser, UsageError
+from distlm.errors import OneLineErrorParser, UsageError, first_line
 
 SPLITS = ("train", "valid")
 JSON_SUFFIXES = (".jsonl", ".json")
-DEFAULT_JSON_KEY = "text"
+PARQUET_SUFFIX = ".parquet"
+DEFAULT_TEXT_KEY = "text"
+PLAIN, JSON_LINES, PARQUET = "text", "json", "parquet"
 # Documents per encode_batch call: large enough for the tokenizer's threads to share,
 # small enough to keep memory flat.
 ENCODE_BATCH = 1024
 
 
-def iter_documents(path: Path, json_key: str | None) -> Iterator[str]:
-    """The documents of one input file, in order (``json_key`` None: plain text)."""
+def iter_documents(path: Path, json_key: str | None, file_format: str | None = None) -> Iterator[str]:
+    """The documents of one input file, in order (``json_key`` None: plain text; a Parquet
+    ``file_format``: the values of its ``json_key`` column)."""
+    if file_format == PARQUET:
+        yield from _parquet_texts(path, json_key)
+        return
     try:
         handle = open(path, encoding="utf-8-sig")
     except IsADirectoryError:
@@ -117,6 +132,40 @@ def _json_text(line: str, key: str, path: Path, line_number: int) -> str:
     return text
 
 
+def _parquet_texts(path: Path, key: str) -> Iterator[str]:
+    """The ``key`` column of a Parquet file, one record batch at a time."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise UsageError(f"--input {path} is Parquet, which needs pyarrow; pip install 'distlm[data]'") from None
+    try:
+        parquet = pyarrow.parquet.ParquetFile(path)
+    except IsADirectoryError:
+        raise UsageError(f"--input {path} is a directory; name the Parquet files in it") from None
+    except OSError as err:
+        raise UsageError(f"--input {path} cannot be read ({err.strerror})") from None
+    except pyarrow.ArrowException as err:
+        raise UsageError(f"--input {path} is not a Parquet file ({first_line(err)}); name it after its format") from None
+    schema = parquet.schema_arrow
+    if key not in schema.names:
+        columns = ", ".join(map(repr, schema.names[:8])) or "none"
+        raise UsageError(f"--input {path} has no column {key!r} (its columns: {columns}); "
+                         f"pass --text-key with the text's column")
+    column_type = schema.field(key).type
+    if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)):
+        raise UsageError(f"--input {path}: column {key!r} holds {column_type}, not strings; "
+                         f"pass --text-key with the text's column")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=ENCODE_BATCH, columns=[key]):
+        texts = batch.column(0).to_pylist()
+        if None in texts:
+            raise UsageError(f"--input {path} row {row + texts.index(None)}: {key!r} is null, not text; "
+                             f"drop or fill that row")
+        yield from texts
+        row += len(texts)
+
+
 def check_out_vocabulary(out: Path, tokenizer_dir: Path | None) -> None:
     """Refuse an ``out`` that already holds another vocabulary: training reads a ``dict.txt``
     before a tokenizer, and an export would ship the tokenizer found there. A tokenizer is
@@ -140,19 +189,28 @@ def check_out_vocabulary(out: Path, tokenizer_dir: Path | None) -> None:
                          f"{tokenizer_dir}'s); name a new or empty directory")
 
 
-def input_format(path: Path, json_key: str | None) -> str | None:
-    """The JSON key to read ``path`` with, or None for plain text."""
-    if json_key is not None:
-        return json_key
-    return DEFAULT_JSON_KEY if path.suffix.lower() in JSON_SUFFIXES else None
+def input_format(path: Path, text_key: str | None) -> tuple[str, str | None]:
+    """How to read ``path`` (plain text, JSON lines or Parquet), and the key of its text."""
+    suffix = path.suffix.lower()
+    if suffix == PARQUET_SUFFIX:
+        return PARQUET, text_key or DEFAULT_TEXT_KEY
+    if text_key is not None:
+        return JSON_LINES, text_key
+    return (JSON_LINES, DEFAULT_TEXT_KEY) if suffix in JSON_SUFFIXES else (PLAIN, None)
 
 
-def all_documents(inputs: Sequence[Path], json_key: str | None) -> Iterator[str]:
+def file_documents(path: Path, text_key: str | None) -> Iterator[str]:
+    """The non-empty documents of one input, in order."""
+    file_format, key = input_format(path, text_key)
+    for document in iter_documents(path, key, file_format):
+        if document.strip():
+            yield document
+
+
+def all_documents(inputs: Sequence[Path], text_key: str | None) -> Iterator[str]:
     """Every non-empty document of every input, in order."""
     for path in inputs:
-        for document in iter_documents(path, input_format(path, json_key)):
-            if document.strip():
-                yield document
+        yield from file_documents(path, text_key)
 
 
 def choose_valid_documents(num_documents: int, valid_fraction: float, seed: int) -> np.ndarray:
@@ -178,24 +236,27 @@ def prepare(
     tokenizer_dir: str | os.PathLike | None,
     inputs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
-    json_key: str | None = None,
+    text_key: str | None = None,
     valid_fraction: float = 0.01,
     seed: int = 1,
     progress: bool = True,
     tokenizer_model: str = TOKENIZER_MODELS[0],
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    workers: int = 1,
 ) -> dict:
     """Tokenize ``inputs`` into ``out_dir`` (see the module docstring); return per-split counts.
 
     ``tokenizer_dir`` None trains a ``tokenizer_model`` tokenizer of at most ``vocab_size``
-    tokens on the training documents first.
+    tokens on the training documents first. ``workers`` processes read and encode the files.
     """
     if not 0.0 <= valid_fraction < 1.0:
         raise UsageError(f"--valid-fraction {valid_fraction} must be in [0, 1)")
     if seed < 0:
         raise UsageError(f"--seed {seed} must be a non-negative integer")
-    if json_key is not None and not json_key:
-        raise UsageError("--json-key must not be empty")
+    if text_key is not None and not text_key:
+        raise UsageError("--text-key must not be empty")
+    if workers < 1:
+        raise UsageError(f"--workers {workers} must be at least 1")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; name a directory to write the data into")
@@ -206,24 +267,102 @@ def prepare(
         loaded = _load_tokenizer(Path(tokenizer_dir))  # a bad tokenizer is refused before the text is read
     paths = [Path(path) for path in inputs]
     started = time.perf_counter()
+    # No more processes than files: a file is one worker's.
+    with _Workers(min(workers, len(paths))) as pool:
+        # First pass: count (and validate) every document before anything is written.
+        counts = list(pool.map(_count_file, [(path, text_key) for path in paths]))
+        num_documents = sum(counts)
+        if num_documents == 0:
+            raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and "
+                             f"--text-key")
+        is_valid = choose_valid_documents(num_documents, valid_fraction, seed)
+        files = _FileSet(paths, text_key, counts, is_valid)
 
-    # First pass: count (and validate) every document before anything is written.
-    num_documents = sum(1 for _ in all_documents(paths, json_key))
-    if num_documents == 0:
-        raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and --json-key")
-    is_valid = choose_valid_documents(num_documents, valid_fraction, seed)
-
-    if tokenizer_dir is not None:
-        stats = _write_data(Path(tokenizer_dir), loaded, paths, json_key, is_valid, out, progress)
-    else:
-        with tempfile.TemporaryDirectory(prefix="distlm-tokenizer-") as trained:
-            training = (doc for doc, held_out in zip(all_documents(paths, json_key), is_valid) if not held_out)
-            train_tokenizer(training, trained, tokenizer_model, vocab_size)
-            stats = _write_data(Path(trained), _load_tokenizer(Path(trained)), paths, json_key, is_valid, out,
-                                progress)
-        stats["trained"] = tokenizer_model
+        if tokenizer_dir is not None:
+            stats = _write_data(Path(tokenizer_dir), loaded, files, out, progress, pool)
+        else:
+            with tempfile.TemporaryDirectory(prefix="distlm-tokenizer-") as trained:
+                training = (doc for doc, held_out in zip(all_documents(paths, text_key), is_valid) if not held_out)
+                train_tokenizer(training, trained, tokenizer_model, vocab_size)
+                stats = _write_data(Path(trained), _load_tokenizer(Path(trained)), files, out, progress, pool)
+            stats["trained"] = tokenizer_model
     stats["seconds"] = time.perf_counter() - started
+    stats["input_bytes"] = sum(path.stat().st_size for path in paths)
     return stats
+
+
+class _FileSet:
+    """The inputs with their document counts, and which of their documents are held out."""
+
+    def __init__(self, paths: list[Path], text_key: str | None, counts: list[int], is_valid: np.ndarray) -> None:
+        self.paths, self.text_key, self.is_valid = paths, text_key, is_valid
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+
+    def task(self, index: int, tokenizer_dir: Path, part_prefix: str, splits: list[str], dtype: np.dtype) -> tuple:
+        held_out = self.is_valid[self.starts[index]:self.starts[index + 1]]
+        return self.paths[index], self.text_key, held_out, tokenizer_dir, part_prefix, splits, dtype
+
+
+class _Workers:
+    """``workers`` processes for the files, or this process alone for 1.
+
+    A ``concurrent.futures`` pool, because it reports a worker that died (killed, out of
+    memory) where ``multiprocessing.Pool`` waits for its task forever. Its processes are
+    forked: a spawned one would import distlm.data, and with it torch, again (over a second
+    each). On an error the workers stop at their next batch and remove the parts they wrote.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.executor = None
+        if workers > 1:
+            context = multiprocessing.get_context("fork")
+            self.progress, self.stop = context.Value("q", 0), context.Value("b", 0)
+            self.executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                                initargs=(self.progress, self.stop))
+
+    def map(self, function, tasks: list) -> Iterator:
+        """``function`` over ``tasks``, results in order."""
+        return map(function, tasks) if self.executor is None else self.executor.map(function, tasks)
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.shut_down(stop=exc_type is not None)
+
+    def shut_down(self, stop: bool) -> None:
+        """Wait for the workers to end, after asking them to stop at their next batch with ``stop``."""
+        if self.executor is not None:
+            if stop:
+                self.stop.value = 1
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor = None
+
+
+# Set in each worker process by _start_worker.
+_worker_state: tuple = ()
+_worker_tokenizers: dict = {}
+
+
+def _start_worker(progress, stop) -> None:
+    global _worker_state
+    _worker_state = (progress, stop)
+    # The processes are the parallelism: tokenizers' own threads in each would oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _stop_if_asked() -> None:
+    if _worker_state and _worker_state[1].value:
+        raise UsageError("stopped: another file failed")
+
+
+def _count_file(task: tuple) -> int:
+    path, text_key = task
+    count = 0
+    for count, _ in enumerate(file_documents(path, text_key), start=1):
+        if count % ENCODE_BATCH == 0:
+            _stop_if_asked()
+    return count
 
 
 def _load_tokenizer(tokenizer_dir: Path) -> tuple:
@@ -236,10 +375,10 @@ def _load_tokenizer(tokenizer_dir: Path) -> tuple:
     return tokenizer, vocabulary, eos
 
 
-def _write_data(tokenizer_dir: Path, loaded: tuple, paths: list[Path], json_key: str | None, is_valid: np.ndarray,
-                out: Path, progress: bool) -> dict:
+def _write_data(tokenizer_dir: Path, loaded: tuple, files: _FileSet, out: Path, progress: bool, pool) -> dict:
     """The second pass: every document encoded into its split under ``out``, then the tokenizer's files."""
-    tokenizer, vocabulary, eos = loaded
+    _, vocabulary, _ = loaded
+    is_valid = files.is_valid
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -250,12 +389,13 @@ def _write_data(tokenizer_dir: Path, loaded: tuple, paths: list[Path], json_key:
     splits = [split for split in SPLITS if split == "train" or is_valid.any()]
     builders = {split: IndexedDatasetBuilder(out / f".{split}.partial", dtype, flavour=MEGATRON) for split in splits}
     try:
-        _tokenize(tokenizer, all_documents(paths, json_key), eos, is_valid, builders, progress)
+        _tokenize(loaded, files, tokenizer_dir, out, dtype, builders, progress, pool)
     except BaseException:
         for builder in builders.values():
             builder.close()
-            for suffix in (".bin", ".idx"):
-                Path(builder.prefix + suffix).unlink(missing_ok=True)
+        for split in SPLITS:
+            for part in out.glob(f".{split}.partial*"):
+                part.unlink(missing_ok=True)
         raise
     previous, ours = out / TOKENIZER_FILE, tokenizer_dir / TOKENIZER_FILE
     if previous.is_file() and not previous.samefile(ours) and previous.read_bytes() != ours.read_bytes():
@@ -276,54 +416,113 @@ def _write_data(tokenizer_dir: Path, loaded: tuple, paths: list[Path], json_key:
     return stats
 
 
-def _tokenize(tokenizer, documents: Iterator[str], eos: int, is_valid: np.ndarray, builders: dict, progress: bool):
+def _tokenize(loaded: tuple, files: _FileSet, tokenizer_dir: Path, out: Path, dtype: np.dtype, builders: dict,
+              progress: bool, pool) -> None:
     from tqdm import tqdm
 
+    with tqdm(total=len(files.is_valid), unit="doc", disable=not progress, file=sys.stderr) as bar:
+        if pool.executor is None:
+            for index in range(len(files.paths)):
+                path, text_key, held_out, *_ = files.task(index, tokenizer_dir, "", [], dtype)
+                _encode_file(loaded, path, text_key, held_out, builders, bar.update)
+            return
+        splits = list(builders)
+        tasks = [files.task(index, tokenizer_dir, os.fspath(out / f".{{split}}.partial.{index}"), splits, dtype)
+                 for index in range(len(files.paths))]
+        try:
+            _join_parts(pool, tasks, builders, bar)
+        except BaseException:
+            pool.shut_down(stop=True)  # before the caller removes the parts, so that no worker writes one after
+            raise
+
+
+def _join_parts(pool: _Workers, tasks: list, builders: dict, bar) -> None:
+    futures = [pool.executor.submit(_encode_part, task) for task in tasks]
+    for task, future in zip(tasks, futures):
+        while not wait([future], timeout=0.2).done:
+            bar.update(pool.progress.value - bar.n)
+        try:
+            future.result()
+        except BrokenProcessPool:
+            raise UsageError(f"a --workers process died while it encoded {task[0]} (killed, or out of memory?); "
+                             f"rerun, with fewer --workers if memory is short") from None
+        # Joined in input order, so the data is the one a single process writes.
+        for split, builder in builders.items():
+            part = task[4].format(split=split)
+            builder.merge(part)
+            for suffix in (".bin", ".idx"):
+                Path(part + suffix).unlink()
+    bar.update(pool.progress.value - bar.n)
+
+
+def _encode_part(task: tuple) -> None:
+    """In a worker: one file encoded into its own finished part of each split."""
+    path, text_key, held_out, tokenizer_dir, part_prefix, splits, dtype = task
+    if tokenizer_dir not in _worker_tokenizers:
+        _worker_tokenizers.clear()
+        _worker_tokenizers[tokenizer_dir] = _load_tokenizer(tokenizer_dir)
+    builders = {split: IndexedDatasetBuilder(part_prefix.format(split=split), dtype, flavour=MEGATRON)
+                for split in splits}
+
+    def report(count: int) -> None:
+        with _worker_state[0].get_lock():
+            _worker_state[0].value += count
+        _stop_if_asked()
+
+    try:
+        _encode_file(_worker_tokenizers[tokenizer_dir], path, text_key, held_out, builders, report)
+    except BaseException:
+        for builder in builders.values():
+            builder.close()
+            for suffix in (".bin", ".idx"):
+                Path(builder.prefix + suffix).unlink(missing_ok=True)
+        raise
+    for builder in builders.values():
+        builder.finish()
+
+
+def _encode_file(loaded: tuple, path: Path, text_key: str | None, held_out: np.ndarray, builders: dict,
+                 report) -> None:
+    """Every document of ``path`` encoded, with the eos appended, into its split's builder."""
+    tokenizer, _, eos = loaded
     eos_array = np.array([eos])
     number = 0
-    with tqdm(total=len(is_valid), unit="doc", disable=not progress, file=sys.stderr) as bar:
-        batch: list[str] = []
-        for document in documents:
+    batch: list[str] = []
+    for document in itertools.chain(file_documents(path, text_key), [None]):
+        if document is not None:
             batch.append(document)
-            if len(batch) == ENCODE_BATCH:
-                number = _write_batch(tokenizer, batch, number, eos_array, is_valid, builders)
-                bar.update(len(batch))
-                batch = []
-        if batch:
-            number = _write_batch(tokenizer, batch, number, eos_array, is_valid, builders)
-            bar.update(len(batch))
-    if number != len(is_valid):
-        raise UsageError(f"the input changed while it was read ({len(is_valid)} documents, then {number}); rerun")
-
-
-def _write_batch(
-    tokenizer, batch: list[str], number: int, eos: np.ndarray, is_valid: np.ndarray, builders: dict
-) -> int:
-    for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
-        if number >= len(is_valid):
-            raise UsageError("the input changed while it was read (more documents than counted); rerun")
-        split = "valid" if is_valid[number] else "train"
-        builders[split].add(np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos]))
-        number += 1
-    return number
+        if batch and (len(batch) == ENCODE_BATCH or document is None):
+            if number + len(batch) > len(held_out):
+                raise UsageError(f"--input {path} changed while it was read (more documents than counted); rerun")
+            for encoding, valid in zip(tokenizer.encode_batch(batch, add_special_tokens=False),
+                                       held_out[number:number + len(batch)]):
+                builders["valid" if valid else "train"].add(
+                    np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos_array]))
+            number += len(batch)
+            report(len(batch))
+            batch = []
+    if number != len(held_out):
+        raise UsageError(f"--input {path} changed while it was read ({len(held_out)} documents, then {number}); rerun")
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m distlm.data.prepare") -> int:
     parser = OneLineErrorParser(
         prog=prog,
-        description="Tokenize text or JSON-lines files into a directory that --data trains on (train/valid "
+        description="Tokenize text, JSON-lines or Parquet files into a directory that --data trains on (train/valid "
         ".bin/.idx in Megatron's layout, plus the tokenizer's files), with a Hugging Face tokenizer or, "
         "without --tokenizer, one trained on the text.",
     )
     parser.add_argument("--tokenizer", metavar="HF_DIR",
                         help="Hugging Face tokenizer directory (default: train one on the training documents)")
-    parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="text or JSON-lines files")
+    parser.add_argument("--input", required=True, nargs="+", metavar="FILE", help="text, JSON-lines (*.jsonl) or Parquet (*.parquet) files")
     parser.add_argument("--out", required=True, metavar="DIR", help="output data directory")
     parser.add_argument(
-        "--json-key",
-        help=f"read every input as JSON lines with the text under this key "
-        f"(default: files named *.jsonl/*.json, key {DEFAULT_JSON_KEY!r})",
+        "--text-key", "--json-key", dest="text_key", metavar="KEY",
+        help=f"the text's key in JSON lines and column in Parquet (default {DEFAULT_TEXT_KEY!r}); given, every "
+        f"input not named *.parquet is read as JSON lines (default: those named *.jsonl/*.json)",
     )
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="processes that read and encode the files, one file each at a time (default 1)")
     parser.add_argument("--valid-fraction", type=float, default=0.01, help="share of documents held out (default 0.01)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the validation choice (default 1)")
     parser.add_argument("--tokenizer-model", choices=TOKENIZER_MODELS,
@@ -338,7 +537,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m distlm.data.p
         if args.tokenizer is not None and given:
             raise UsageError(f"{' and '.join(given)} set the tokenizer trained without --tokenizer; drop "
                              f"{'them' if len(given) > 1 else 'it'} or --tokenizer {args.tokenizer}")
-        stats = prepare(args.tokenizer, args.input, args.out, args.json_key, args.valid_fraction, args.seed,
+        stats = prepare(args.tokenizer, args.input, args.out, args.text_key, args.valid_fraction, args.seed,
+                        workers=args.workers,
                         **{name: value for name, value in training.items() if value is not None})
     except UsageError as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
@@ -352,7 +552,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m distlm.data.p
     seconds = max(stats["seconds"], 1e-9)
     print(
         f"wrote {args.out} in {stats['seconds']:.1f} s: {stats['documents'] / seconds:,.0f} documents/s, "
-        f"{stats['tokens'] / seconds:,.0f} tokens/s"
+        f"{stats['tokens'] / seconds:,.0f} tokens/s, {stats['input_bytes'] / seconds / 1e6:.2f} MB/s of input"
     )
     return 0
 
