@@ -66,10 +66,11 @@ def data_files(path: str | None) -> dict[str, str] | None:
     return _data_files(str(path), tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in entries))
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)
 def _data_files(path: str, stats: tuple[tuple[str, int, int, int], ...]) -> dict[str, str]:
     """``data_files`` of the directory as ``stats`` saw it: the agreement at start and every
-    save read the files once, and a file rewritten since is read again."""
+    save read the files once, and a file rewritten since is read again. Room for one entry
+    per source of a large mixture, each a few hashes."""
     files = {}
     for name, size, _, _ in stats:
         limit = HASHED_PREFIX_BYTES if name.endswith((".txt", ".idx", ".json")) else HASHED_TOKEN_PREFIX_BYTES
