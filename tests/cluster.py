@@ -4,11 +4,12 @@ Every node has its own address, hostname, hosts file and, on request, its own lo
 and the nodes reach one another only through a bridge of their own, so traffic between
 them crosses a real (virtual) network that a test can cut or make lossy::
 
-    from cluster import Cluster, needs_cluster
+    from cluster import Cluster, require_cluster
 
-    pytestmark = needs_cluster()        # the `cluster` marker, and a skip with one line saying why
+    pytestmark = pytest.mark.cluster    # the suite's marker for these tests
 
     def test_two_nodes(tmp_path):
+        require_cluster()               # a skip with one line saying why, where no cluster can be built
         with Cluster(nodes=2, local_disk=tmp_path / "local") as c:
             c.address(1)                # "10.213.0.2": node 1's address, reachable from every node
             c.hostname(1)               # "node1": its hostname, in every node's hosts file
@@ -62,7 +63,7 @@ so nothing the nodes do can reach this host's network or another machine.
 
 Needs root, ``ip`` (iproute2), ``unshare`` (util-linux) and, for ``drop``, ``nft``
 (nftables): README command (b) installs them. ``cluster_unavailable()`` says why a
-cluster cannot be built here, and ``needs_cluster()`` turns that into a skip.
+cluster cannot be built here, and ``require_cluster()`` turns that into a skip.
 """
 
 from __future__ import annotations
@@ -108,11 +109,13 @@ def cluster_unavailable(need_nft: bool = False) -> str | None:
     return None
 
 
-def needs_cluster(nft: bool = False) -> list:
-    """The ``cluster`` marker and a skip saying why a cluster cannot be built here, for a
-    module's ``pytestmark = needs_cluster()``; ``nft=True`` where tests drop packets."""
+def require_cluster(nft: bool = False) -> None:
+    """Skip the calling test or fixture, saying why in one line, where no cluster can be built
+    here; ``nft=True`` where it drops packets. Called where the cluster is needed (a module
+    fixture), not at import: ranks that import a test module for its functions probe nothing."""
     reason = cluster_unavailable(need_nft=nft)
-    return [pytest.mark.cluster, pytest.mark.skipif(reason is not None, reason=reason or "")]
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

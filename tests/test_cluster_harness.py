@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ETC_NETNS, Cluster, needs_cluster
+from cluster import ETC_NETNS, Cluster, require_cluster
 
-pytestmark = needs_cluster(nft=True)
+pytestmark = pytest.mark.cluster
 
 PORT = 4000
 # A server that accepts and closes connections forever, inside node 0.
@@ -51,6 +51,7 @@ def wait_for_server(c: Cluster) -> None:
 
 
 def test_nodes_are_hosts_of_their_own_and_the_teardown_leaves_nothing(tmp_path):
+    require_cluster(nft=True)
     local = tmp_path / "local"
     links_before = host_links()
     with Cluster(nodes=2, local_disk=local) as c:
