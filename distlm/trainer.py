@@ -35,7 +35,7 @@ from distlm.precision import Precision
 from distlm.python_api import naming_config_fields, prepare_config
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
-from distlm.start_log import log_start, pipeline_stage_sizes
+from distlm.start_log import choose_document_attention, log_start, pipeline_stage_sizes
 from distlm.train_step import train_step
 
 logger = logging.getLogger("distlm")
@@ -101,6 +101,9 @@ class Trainer:
         self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
+        if config.data.document_mask:
+            choose_document_attention(self.ctx.is_main, self.model, self.ctx.device,
+                                      self.precision.autocast_dtype or self.precision.param_dtype)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = training_sampler(config, self.data, self.ctx.dp_rank, self.ctx.dims.dp, self.fixed_length,
                                         self.ctx.is_main)

@@ -4,6 +4,7 @@ documents would, each run alone, unpacked and unpadded."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.loss import ModelInputs, summed_cross_entropy
 from distlm.mesh import ParallelDims
-from distlm.models.llama import LlamaCausalLM, document_positions_and_mask
+from distlm.models import arch_config, llama
+from distlm.models.llama import LlamaCausalLM, document_cu_seqlens, document_positions_and_mask
 from distlm.models.registry import build_model
 from distlm.trainer import Trainer
 from distlm.validation import check_model_fits
@@ -150,7 +152,7 @@ def test_a_document_cut_by_a_block_boundary_starts_again_and_padding_is_no_targe
     assert (batch["input_ids"][0][pad] == data.dictionary.pad()).all()
 
 
-def test_a_run_hands_the_model_its_document_ids(data_dir, monkeypatch):
+def test_a_run_hands_the_model_its_document_ids(data_dir, monkeypatch, caplog):
     root, _ = data_dir
     seen = []
     forward = LlamaCausalLM.forward
@@ -160,9 +162,12 @@ def test_a_run_hands_the_model_its_document_ids(data_dir, monkeypatch):
         return forward(self, input_ids, document_ids)
 
     monkeypatch.setattr(LlamaCausalLM, "forward", recording)
-    Trainer(parse_args(["--arch", "llama_tiny", "--data", str(root), "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
-                        "--sample-break-mode", "none", "--document-mask", "--batch-size", "2", "--max-update", "1",
-                        "--no-save", "--device", "cpu", "--decoder-layers", "1"])).fit()
+    with caplog.at_level("INFO", logger="distlm"):
+        Trainer(parse_args(["--arch", "llama_tiny", "--data", str(root), "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
+                            "--sample-break-mode", "none", "--document-mask", "--batch-size", "2", "--max-update", "1",
+                            "--no-save", "--device", "cpu", "--decoder-layers", "1"])).fit()
+    # The start-up log says how attention keeps the documents apart.
+    assert any(r.getMessage().startswith("document masking: attention through SDPA") for r in caplog.records)
     # Training and validation batches both carry them.
     assert {training for training, _ in seen} == {True, False}
     assert all(ids is not None and ids.dim() == 2 for _, ids in seen)
@@ -284,3 +289,81 @@ def test_refused_where_it_cannot_work(args, words):
     with pytest.raises(UsageError, match=words) as err:
         Trainer(parse_args([*args, "--no-save", "--device", "cpu"]))
     assert "\n" not in str(err.value) and "--document-mask" in str(err.value)
+
+
+# ----------------------------------------------------- the varlen path (CUDA's), on CPU
+
+def random_document_ids(rows: int = 3, width: int = 29, seed: int = 0) -> torch.Tensor:
+    """Rows of runs of ids, some ending in padding (-1); ids repeat across rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cumsum(torch.rand(rows, width, generator=g) < 0.2, dim=1)
+    ids[0, -5:] = -1
+    ids[2, -1:] = -1
+    return ids
+
+
+def test_varlen_offsets_name_the_masks_documents():
+    ids = random_document_ids()
+    rows, width = ids.shape
+    cu = document_cu_seqlens(ids)
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == ids.numel()
+    assert torch.all(cu[1:] > cu[:-1])
+    # Each flattened token's document by the offsets, back to a [B, 1, T, T] causal mask.
+    segment = torch.searchsorted(cu[1:].long(), torch.arange(ids.numel()), right=True).reshape(rows, width)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    from_offsets = (segment[:, :, None] == segment[:, None, :]) & causal
+    positions, mask = document_positions_and_mask(ids)
+    assert torch.equal(from_offsets[:, None], mask)
+    assert torch.equal(torch.arange(ids.numel()).reshape(rows, width) - cu.long()[segment], positions)
+
+
+def per_document_attention(q, k, v, cu_seqlens, max_len):
+    """varlen_attn's contract, as CPU can run it: causal SDPA of each document on its own."""
+    assert max_len >= int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        part = [t[start:end].transpose(0, 1) for t in (q, k, v)]
+        out[start:end] = F.scaled_dot_product_attention(*part, is_causal=True).transpose(0, 1)
+    return out
+
+
+def test_the_varlen_branch_attends_as_the_mask(monkeypatch):
+    """The model's varlen path (offsets instead of the mask; tokens flattened, heads repeated
+    for grouped-query attention) with the kernel's contract run per document equals the
+    SDPA path's logits and gradients: only the kernel itself is CUDA's."""
+    monkeypatch.setattr(llama, "varlen_causal_attention", per_document_attention)
+    ids = random_document_ids()
+    tokens = torch.randint(4, VOCAB + 4, ids.shape, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for path in ("sdpa", "varlen"):
+        torch.manual_seed(0)
+        model = build_model("llama_tiny", vocab_size=VOCAB + 4, padding_idx=1, n_layers=2, max_seq_len=64,
+                            n_kv_heads=2)
+        model.init_weights()
+        model.document_attention = path
+        logits = model(tokens, document_ids=ids)
+        logits.float().square().mean().backward()
+        results[path] = logits.detach(), gradients(model)
+    # Per document the products run on other shapes than the masked [T, T] ones: rounding only.
+    torch.testing.assert_close(results["varlen"][0], results["sdpa"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["sdpa"][1].items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(results["varlen"][1][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("device, dtype, overrides, words", [
+    ("cpu", torch.bfloat16, {}, "CUDA only"),
+    ("cuda", torch.float32, {}, "bf16 or fp16"),
+    ("cuda", torch.bfloat16, {"attention_dropout": 0.1}, "attention dropout"),
+    ("cuda", torch.bfloat16, {"dim": 72, "n_heads": 6}, "multiples of 8"),
+])
+def test_where_varlen_cannot_run_the_start_up_line_says_why(device, dtype, overrides, words):
+    config = dataclasses.replace(arch_config("llama_tiny"), vocab_size=64, **overrides)
+    reason = llama.varlen_unavailable(config, torch.device(device), dtype)
+    assert reason is not None and words in reason
+    with torch.device("meta"):
+        model = llama.LlamaCausalLM(config)
+    line = model.use_document_attention(torch.device(device), dtype)
+    assert model.document_attention == "sdpa" and "SDPA" in line and "\n" not in line
+    if device == "cuda":
+        assert reason in line  # on CUDA the fallback names its reason
