@@ -23,7 +23,7 @@ from distlm.data import SharedScan, load_split
 from distlm.data.batches import training_sampler, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.loss import ModelInputs, summed_cross_entropy
-from distlm.metrics import TrainStats, mfu_inputs, significant
+from distlm.metrics import TrainStats, document_attention_flops, mfu_inputs, significant
 from distlm.observe import Observer, check_observe_settings, start_log_file, stop_log_file
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
@@ -154,7 +154,8 @@ class Trainer:
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
-            cfg.data.mask_prob if self.task == "masked_lm" else 1.0), self.ctx.world_size)
+            cfg.data.mask_prob if self.task == "masked_lm" else 1.0, cfg.data.document_mask), self.ctx.world_size,
+            document_attention_flops(unwrap(self.model), cfg.data.document_mask))
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
@@ -196,7 +197,7 @@ class Trainer:
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
-                  record.pop("samples"), record.pop("batch_tokens"))
+                  record.pop("samples"), record.pop("batch_tokens"), record.pop("attention_pairs", None))
         printer.progress()
         # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
         # the loss within seconds, not after --log-interval updates.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -367,3 +368,20 @@ def test_where_varlen_cannot_run_the_start_up_line_says_why(device, dtype, overr
     assert model.document_attention == "sdpa" and "SDPA" in line and "\n" not in line
     if device == "cuda":
         assert reason in line  # on CUDA the fallback names its reason
+
+
+def test_a_run_counts_the_attention_pairs_of_its_documents(data_dir):
+    """The update's record carries the (query, key) pairs of its documents (each one's squared
+    length, padding left out), which MFU counts instead of whole blocks'."""
+    root, _ = data_dir
+    trainer = Trainer(parse_args(["--arch", "llama_tiny", "--data", str(root), "--tokens-per-sample",
+                                  str(TOKENS_PER_SAMPLE), "--sample-break-mode", "none", "--document-mask",
+                                  "--batch-size", "2", "--max-update", "1", "--no-save", "--device", "cpu",
+                                  "--decoder-layers", "1", "--disable-validation"]))
+    micro_batches = next(trainer.update_batches())
+    expected = 0
+    for batch in micro_batches:
+        for row in batch["document_ids"].tolist():
+            expected += sum(len(list(run)) ** 2 for doc, run in itertools.groupby(row) if doc != -1)
+    assert 0 < expected < sum(b["document_ids"].numel() * b["document_ids"].shape[1] for b in micro_batches)
+    assert trainer.train_step(micro_batches)["attention_pairs"] == expected

@@ -65,7 +65,20 @@ def with_host_facts(batch: dict[str, Any], pad: int, positions: bool = True) -> 
     batch["has_padding"] = batch["input_count"] < batch["input_ids"].numel()
     if positions:
         batch["masked_positions"] = torch.nonzero(targets.flatten() != IGNORE_INDEX).squeeze(1)
+    if "document_ids" in batch:
+        batch["attention_pairs"] = attention_pairs(batch["document_ids"])
     return batch
+
+
+def attention_pairs(document_ids: torch.Tensor) -> int:
+    """The (query, key) pairs that attention within documents computes over a batch's rows,
+    counted as MFU counts a sequence's (its length squared): the sum of the documents'
+    squared lengths, padding (id -1) left out."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    segment = starts.flatten().cumsum(0)
+    lengths = torch.bincount(segment[document_ids.flatten() != -1])
+    return int(lengths.square().sum())
 
 
 def update_batches(data: Any, sampler: Sampler, start: int, pad: int, num_workers: int,
