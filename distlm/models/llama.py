@@ -238,14 +238,16 @@ def varlen_unavailable(config: LlamaConfig, device: torch.device, dtype: torch.d
     if _varlen_causal_argument(varlen_attn) is None:
         return f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal"
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"its flash kernel computes in bf16 or fp16, and this run computes in {str(dtype).removeprefix('torch.')} (add --bf16)"
+        name = str(dtype).removeprefix("torch.")
+        return f"its flash kernel computes in bf16 or fp16, and this run computes in {name} (add --bf16)"
     if config.attention_dropout > 0:
         return f"it has no attention dropout, and the model's attention_dropout is {config.attention_dropout}"
     if config.head_dim % 8 or config.head_dim > 256:
-        return f"its flash kernel takes head sizes that are multiples of 8 up to 256, and the model's is {config.head_dim}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
-        return f"its flash kernel needs compute capability 8.0 or newer, and this GPU has {capability[0]}.{capability[1]}"
+        return (f"its flash kernel takes head sizes that are multiples of 8 up to 256, "
+                f"and the model's is {config.head_dim}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return f"its flash kernel needs compute capability 8.0 or newer, and this GPU has {major}.{minor}"
     return None
 
 
