@@ -121,7 +121,10 @@ class DataConfig:
     """With --max-tokens: a batch's rows are a multiple of this where it has more (fairseq's default 8)."""
     skip_invalid_size_inputs_valid_test: bool = False
     """With --max-tokens: leave out (and count in the log) the training samples longer than the budget,
-    instead of refusing the run."""
+    instead of refusing the run; with --max-tokens-valid the validation samples longer than its budget too."""
+    max_tokens_valid: int | None = None
+    """Batch validation by a token budget as --max-tokens does training (fairseq --max-tokens-valid), with
+    --batch-size-valid as the most rows; default: --max-tokens (none: --batch-size-valid samples a batch)."""
     mask_prob: float = 0.15
     """Fraction of tokens masked for masked_lm (80% <mask>, 10% random, 10% unchanged)."""
     mask_special_tokens: bool = True
@@ -475,7 +478,7 @@ _WIDTH = (1, 2**20, True, True)  # 64 x the widest published models (16384); 1e2
 _RANKS = (1, 2**31 - 1, True, True)  # torch.distributed counts ranks in a C++ int
 BOUNDS: dict[str, tuple] = {
     "tokens_per_sample": _AT_LEAST_1, "batch_size": _AT_LEAST_1, "update_freq": _AT_LEAST_1,
-    "max_tokens": _AT_LEAST_1, "required_batch_size_multiple": _AT_LEAST_1,
+    "max_tokens": _AT_LEAST_1, "max_tokens_valid": _AT_LEAST_1, "required_batch_size_multiple": _AT_LEAST_1,
     "log_interval": _AT_LEAST_1, "save_interval": _AT_LEAST_1, "validate_interval": _AT_LEAST_1,
     "max_valid_steps": _AT_LEAST_1, "batch_size_valid": _AT_LEAST_1, "tp_degree": _AT_LEAST_1,
     "pp_degree": _AT_LEAST_1, "pp_stages_per_rank": _AT_LEAST_1, "pp_microbatches": _NOT_NEGATIVE,
@@ -786,7 +789,8 @@ def check_settings(config: TrainConfig) -> None:
     if config.data.document_mask and config.data.sample_break_mode == "eos":
         raise UsageError("--document-mask with --sample-break-mode eos masks nothing (one document per block); "
                          "use --sample-break-mode none or complete to pack documents")
-    if config.data.skip_invalid_size_inputs_valid_test and config.data.max_tokens is None:
+    if config.data.skip_invalid_size_inputs_valid_test and config.data.max_tokens is None and \
+            config.data.max_tokens_valid is None:
         raise UsageError("--skip-invalid-size-inputs-valid-test skips samples longer than --max-tokens; "
                          "without --max-tokens no sample is too long: drop it or set --max-tokens")
     if config.compile.precompile and not config.compile.compile:

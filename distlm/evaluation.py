@@ -23,7 +23,9 @@ from distlm.config import TrainConfig, valid_subsets
 from distlm.data import GlobalBatchSampler, MixtureData, SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
+from distlm.data.sampler import token_budget_batches
 from distlm.distributed import DistContext
+from distlm.errors import UsageError
 from distlm.metrics import LN2, perplexity, significant
 
 logger = logging.getLogger("distlm")
@@ -83,10 +85,41 @@ class Validator:
         """Of the loss sums on the device (see ``_subset``)."""
         self._validated_at: int | None = None
         self.batch_size = config.data.batch_size_valid or config.data.batch_size
+        self.max_tokens = config.data.max_tokens_valid or config.data.max_tokens
+        """--max-tokens-valid (default --max-tokens): batches by a token budget; None: of --batch-size-valid samples."""
         self.metric = config.checkpoint.best_checkpoint_metric
         self.maximize = config.checkpoint.maximize_best_checkpoint_metric
+        self._token_batches: dict[str, list[list[np.ndarray]]] = {}
+        if self.max_tokens is not None:  # refused now, not at the first validation
+            for name, data in subsets.items():
+                parts = zip(data.index.labels(), data.sources) if isinstance(data, MixtureData) else [(None, data)]
+                for label, part in parts:
+                    self._token_batches[name if label is None else f"{name}/{label}"] = self._cut(name, part)
         if self.enabled and ctx.is_main:
             logger.info("validation: %s", ", ".join(f"{name} ({len(data)} samples)" for name, data in subsets.items()))
+
+    def _cut(self, name: str, data: Any) -> list[list[np.ndarray]]:
+        """Each data-parallel rank's batches of ``data`` within --max-tokens-valid (rank r takes
+        every dp-th sample, as with --batch-size-valid), validation samples longer than the
+        budget refused in one line or, with --skip-invalid-size-inputs-valid-test, left out."""
+        settings, dp = self.config.data, self.ctx.dims.dp
+        if not hasattr(data, "sizes"):
+            raise UsageError(f"--max-tokens-valid needs the sample lengths of validation split {name}, which its "
+                             "data does not give: batch it with --batch-size-valid")
+        sizes = np.asarray(data.sizes, dtype=np.int64)
+        too_long = sizes > self.max_tokens
+        if too_long.any() and not settings.skip_invalid_size_inputs_valid_test:
+            raise UsageError(
+                f"{int(too_long.sum())} of the {len(sizes)} samples of validation split {name} are longer than "
+                f"--max-tokens-valid {self.max_tokens} (the longest has {int(sizes.max())} tokens): raise "
+                f"--max-tokens-valid to at least {int(sizes.max())}, or skip them with "
+                "--skip-invalid-size-inputs-valid-test")
+        if too_long.any() and self.ctx.is_main:
+            logger.warning("--skip-invalid-size-inputs-valid-test: %d samples of validation split %s longer than "
+                           "--max-tokens-valid %d are left out", int(too_long.sum()), name, self.max_tokens)
+        kept = np.flatnonzero(~too_long)
+        return [token_budget_batches(sizes, kept[rank::dp], self.max_tokens, self.batch_size,
+                                     settings.required_batch_size_multiple) for rank in range(dp)]
 
     def due(self, num_updates: int, end_of_epoch: int | None, done: bool) -> bool:
         """fairseq's rule: at the end of every --validate-interval epochs, every
@@ -133,6 +166,9 @@ class Validator:
         # run out evaluate a batch whose targets are all ignored.
         mine = np.arange(self.ctx.dp_rank, len(data), dims.dp)
         batches = math.ceil(len(data) / (dims.dp * self.batch_size))
+        by_tokens = self._token_batches.get(name)
+        if by_tokens is not None:  # --max-tokens-valid: as many batches as the rank with the most
+            batches = max(len(cut) for cut in by_tokens)
         for limit in (self.config.data.max_valid_steps, max_batches):
             if limit:
                 batches = min(batches, limit)
@@ -143,7 +179,11 @@ class Validator:
         traced = self.ctx.backend.static_shapes
         sums = torch.zeros(2, dtype=self.sum_dtype, device=self.ctx.device)
         for step in range(batches):
-            indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
+            if by_tokens is None:
+                indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
+            else:
+                own = by_tokens[self.ctx.dp_rank]
+                indices = own[step] if step < len(own) else mine[:0]
             batch = dict(data.collate([(0, int(i)) for i in (indices if len(indices) else [0])]))
             if not len(indices):
                 batch["targets"] = torch.full_like(batch["targets"], IGNORE_INDEX)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from distlm.backends.hardware import device_peak_flops, measure_cpu_matmul_flops
 from distlm.errors import UsageError
-from distlm.models.flops import flops_per_token, model_flops_utilization
+from distlm.models.flops import attention_flops_per_pair, flops_per_token, model_flops_utilization
 
 LN2 = math.log(2)
 logger = logging.getLogger("distlm")
@@ -35,33 +35,39 @@ class TrainStats:
     only one per log line.
     """
 
-    FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples", "batch_tokens")
+    FIELDS = ("loss_sum", "target_tokens", "input_tokens", "samples", "batch_tokens", "attention_pairs")
 
     def __init__(self, device: torch.device | str = "cpu", flops_per_token: float | None = None,
-                 peak_flops_per_device: float | None = None, devices: int = 1) -> None:
+                 peak_flops_per_device: float | None = None, devices: int = 1,
+                 attention_flops_per_pair: float | None = None) -> None:
         """``flops_per_token`` and ``peak_flops_per_device`` (None or 0: unknown) give the MFU
-        of ``devices`` devices; the tokens are the global input tokens of the run."""
+        of ``devices`` devices; the tokens are the global input tokens of the run.
+        ``attention_flops_per_pair`` (packed documents with document masks): attention's FLOPs
+        are counted from the (query, key) pairs the batches report, and ``flops_per_token``
+        holds the rest."""
         self.device = torch.device(device)
         self.flops_per_token, self.peak_flops_per_device, self.devices = flops_per_token, peak_flops_per_device, devices
-        self.first: tuple[float, int, float] | None = None
-        """Global input tokens, updates and seconds of the first logged interval of this
-        process, whose updates compile and warm up."""
-        self.steady = [0.0, 0, 0.0]
+        self.attention_flops_per_pair = attention_flops_per_pair
+        self.first: tuple[float, int, float, float] | None = None
+        """Global input tokens, updates, seconds and attention pairs of the first logged
+        interval of this process, whose updates compile and warm up."""
+        self.steady = [0.0, 0, 0.0, 0.0]
         """The same summed over the logged intervals after the first."""
         self._start_interval()
 
     def _start_interval(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.counts = [0, 0, 0, 0]
+        self.counts = [0, 0, 0, 0, 0]
         self.updates = 0
         self.started = time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, target_tokens: int, input_tokens: int, samples: int,
-            batch_tokens: int | None = None) -> None:
-        """``batch_tokens``: the batches' tokens, padding included (None: no padding)."""
+            batch_tokens: int | None = None, attention_pairs: int | None = None) -> None:
+        """``batch_tokens``: the batches' tokens, padding included (None: no padding);
+        ``attention_pairs``: the (query, key) pairs their documents attend over (None: not counted)."""
         self.loss_sum += loss_sum.to(device=self.device, dtype=torch.float64)
         for i, count in enumerate((target_tokens, input_tokens, samples,
-                                   input_tokens if batch_tokens is None else batch_tokens)):
+                                   input_tokens if batch_tokens is None else batch_tokens, attention_pairs or 0)):
             self.counts[i] += count
         self.updates += 1
 
@@ -72,7 +78,7 @@ class TrainStats:
             dist.all_reduce(sums, group=group)
         elapsed = time.perf_counter() - self.started
         values = dict(zip(self.FIELDS, sums.tolist()))
-        interval = (values["input_tokens"], self.updates, elapsed)
+        interval = (values["input_tokens"], self.updates, elapsed, values["attention_pairs"])
         if self.first is None:
             self.first = interval
         else:
@@ -91,18 +97,22 @@ class TrainStats:
             "mfu": rates["mfu"],
         }
 
-    def _rates(self, input_tokens: float, updates: int, seconds: float) -> dict[str, float | None]:
+    def _rates(self, input_tokens: float, updates: int, seconds: float,
+               attention_pairs: float = 0.0) -> dict[str, float | None]:
         tokens_per_s = input_tokens / seconds
         return {"wps": significant(tokens_per_s, 5), "ups": significant(updates / seconds, 4),
                 "tokens_per_sec_per_device": significant(tokens_per_s / self.devices, 5),
-                "mfu": significant(self.mfu(tokens_per_s), 5)}
+                "mfu": significant(self.mfu(tokens_per_s, attention_pairs / seconds), 5)}
 
-    def mfu(self, tokens_per_s: float) -> float | None:
+    def mfu(self, tokens_per_s: float, attention_pairs_per_s: float = 0.0) -> float | None:
         """Model FLOP/s over the peak of every device; None when the model's FLOPs or the
         device's peak are unknown (the log prints null, never a made-up 0)."""
         if not self.peak_flops_per_device or not self.flops_per_token:
             return None
-        return model_flops_utilization(tokens_per_s, self.flops_per_token, self.peak_flops_per_device, self.devices)
+        per_token = self.flops_per_token
+        if self.attention_flops_per_pair and tokens_per_s:
+            per_token += self.attention_flops_per_pair * attention_pairs_per_s / tokens_per_s
+        return model_flops_utilization(tokens_per_s, per_token, self.peak_flops_per_device, self.devices)
 
     def summary_rates(self) -> dict[str, Any]:
         """The summary line's wps, ups, tokens per second per device and MFU, all over the
@@ -129,14 +139,19 @@ def significant(value: float | None, digits: int = 6) -> float | None:
 
 
 def mfu_inputs(
-    model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype, output_fraction: float = 1.0
+    model: torch.nn.Module, seq_len: int, device_type: str, dtype: torch.dtype, output_fraction: float = 1.0,
+    document_mask: bool = False,
 ) -> tuple[float | None, float | None]:
     """(FLOPs per token, peak FLOP/s per device) for MFU; None where the model's shape or
     the device's peak is unknown (a user's model, a device without a table entry). A
     device without a peak is reported once, with how to give one. ``output_fraction``:
-    the share of positions the model computes its output at (a masked LM's mask rate)."""
+    the share of positions the model computes its output at (a masked LM's mask rate).
+    ``document_mask``: the FLOPs per token leave attention out, which the batches' documents
+    count (``document_attention_flops``)."""
     try:
         per_token = flops_per_token(model, seq_len, output_fraction)
+        if document_mask:
+            per_token -= attention_flops_per_pair(model) * seq_len
     except (TypeError, UsageError):
         per_token = None
     try:
@@ -147,6 +162,17 @@ def mfu_inputs(
             _REPORTED_WITHOUT_PEAK.add(device_type)
             logger.warning("mfu is null in the log: %s", exc)
     return per_token, peak
+
+
+def document_attention_flops(model: torch.nn.Module, document_mask: bool) -> float | None:
+    """With document masks, the training FLOPs of one (query, key) pair (None without them, or
+    for a model of unknown shape: MFU is then null, see ``mfu_inputs``)."""
+    if not document_mask:
+        return None
+    try:
+        return attention_flops_per_pair(model)
+    except (TypeError, UsageError):
+        return None
 
 
 def perplexity(loss_bits: float) -> float:

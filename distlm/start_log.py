@@ -49,6 +49,18 @@ def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | Non
                     if fresh.hf_dir is not None else f"seed {seed}")
 
 
+def choose_document_attention(is_main: bool, model: nn.Module, device: Any, dtype: Any) -> None:
+    """--document-mask: a model that offers a choice (``use_document_attention``) picks how
+    attention keeps packed documents apart on ``device`` computing in ``dtype``; rank 0 says
+    which, and on CUDA why not the varlen kernel (no silent fallback)."""
+    choose = getattr(unwrap(model), "use_document_attention", None)
+    if choose is None:
+        return
+    line = choose(device, dtype)
+    if is_main:
+        logger.info("%s", line)
+
+
 def _parameter_count(model: nn.Module) -> int:
     """Single-device parameter count of a (possibly sharded) model."""
     return sum(p.numel() for p in model.parameters())

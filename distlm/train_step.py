@@ -108,6 +108,8 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         "batch_tokens": sum(b["input_ids"].numel() for b in micro_batches),
         "lr": significant(lr), "gnorm": gnorm_value, "applied": applied,
     }
+    if any("attention_pairs" in b for b in micro_batches):  # packed documents: MFU counts their attention
+        record["attention_pairs"] = sum(b.get("attention_pairs", 0) for b in micro_batches)
     if precision.scaler is not None:
         record["loss_scale"] = precision.loss_scale
     return record

@@ -23,7 +23,7 @@ from distlm.data import SharedScan, load_split
 from distlm.data.batches import training_sampler, update_batches
 from distlm.distributed import DistContext, init_distributed, parallel_options
 from distlm.loss import ModelInputs, summed_cross_entropy
-from distlm.metrics import TrainStats, mfu_inputs, significant
+from distlm.metrics import TrainStats, document_attention_flops, mfu_inputs, significant
 from distlm.observe import Observer, check_observe_settings, start_log_file, stop_log_file
 from distlm.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
@@ -35,7 +35,7 @@ from distlm.precision import Precision
 from distlm.python_api import naming_config_fields, prepare_config
 from distlm.run_record import describe_run, tokenizer_writer
 from distlm.signals import StopSignals
-from distlm.start_log import log_start, pipeline_stage_sizes
+from distlm.start_log import choose_document_attention, log_start, pipeline_stage_sizes
 from distlm.train_step import train_step
 
 logger = logging.getLogger("distlm")
@@ -101,6 +101,9 @@ class Trainer:
         self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
+        if config.data.document_mask:
+            choose_document_attention(self.ctx.is_main, self.model, self.ctx.device,
+                                      self.precision.autocast_dtype or self.precision.param_dtype)
         self.optimizer = self.handle.build_optimizer(AdamWSettings.from_config(config.optim), self.precision.param_dtype)
         self.sampler = training_sampler(config, self.data, self.ctx.dp_rank, self.ctx.dims.dp, self.fixed_length,
                                         self.ctx.is_main)
@@ -151,7 +154,8 @@ class Trainer:
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
-            cfg.data.mask_prob if self.task == "masked_lm" else 1.0), self.ctx.world_size)
+            cfg.data.mask_prob if self.task == "masked_lm" else 1.0, cfg.data.document_mask), self.ctx.world_size,
+            document_attention_flops(unwrap(self.model), cfg.data.document_mask))
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
@@ -193,7 +197,7 @@ class Trainer:
         self.progress.train_wall += time.perf_counter() - started
         applied = record.pop("applied")
         stats.add(record.pop("loss_sum"), record.pop("target_tokens"), record.pop("input_tokens"),
-                  record.pop("samples"), record.pop("batch_tokens"))
+                  record.pop("samples"), record.pop("batch_tokens"), record.pop("attention_pairs", None))
         printer.progress()
         # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
         # the loss within seconds, not after --log-interval updates.

@@ -142,18 +142,18 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 
 
 def check_document_mask(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, name: str) -> None:
-    """--document-mask needs a causal LM whose forward takes ``document_ids``, on one tensor- and pipeline-parallel rank."""
+    """--document-mask needs a causal LM whose forward takes ``document_ids``."""
     task = config.data.task or getattr(model, "task", None)
     if task != "causal_lm":
         raise UsageError(f"--document-mask is for causal_lm packing; {name} trains {task}, drop --document-mask")
     if "document_ids" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"--document-mask needs a model whose forward takes document_ids; {name}'s does not, "
                          "drop --document-mask")
-    # Sequence-parallel shards and pipeline stages would need the mask and positions
-    # passed along with the activations, which they are not yet.
-    if dims.tp_enabled or dims.pp_enabled:
-        raise UsageError("--document-mask runs without tensor or pipeline parallelism for now; "
-                         "use --tp-degree 1 --pp-degree 1 or drop --document-mask")
+    # Pipeline stages recompute the mask and positions from the ids they are handed.
+    block_args = getattr(model, "block_args", None)
+    if dims.pp_enabled and block_args is not None and "document_ids" not in inspect.signature(block_args).parameters:
+        raise UsageError(f"--document-mask with --pp-degree needs {name}'s block_args to take document_ids; "
+                         "drop one of them")
 
 
 def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:

@@ -280,3 +280,31 @@ def test_missing_file_is_named(tmp_path, missing):
     Path(f"{prefix}{missing}").unlink()
     with pytest.raises(UsageError, match=f"data{missing}.*does not exist"):
         MMapIndexedDataset(prefix)
+
+
+@pytest.mark.parametrize("flavour", ["fairseq", "megatron"])
+def test_the_builder_writes_the_same_files_whatever_its_chunk(tmp_path, monkeypatch, flavour):
+    """The builder keeps INDEX_CHUNK sizes in memory at a time and writes the index from its
+    sizes file in chunks: with chunks of 3 sizes, 10 added sequences and a merged part of 7 give
+    byte for byte the files of one chunk."""
+    import distlm.data.indexed_dataset as indexed
+
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 50, size=rng.integers(0, 9)) for _ in range(17)]
+    written = {}
+    for chunk in (1 << 16, 3):
+        monkeypatch.setattr(indexed, "INDEX_CHUNK", chunk)
+        root = tmp_path / str(chunk)
+        root.mkdir()
+        write_indexed_dataset(root / "part", sequences[10:], np.uint16, flavour)
+        builder = indexed.IndexedDatasetBuilder(root / "data", np.uint16, flavour)
+        for sequence in sequences[:10]:
+            builder.add(sequence)
+        builder.merge(root / "part")
+        assert len(builder) == 17 and builder.num_tokens == sum(map(len, sequences))
+        builder.finish()
+        assert sorted(p.name for p in root.iterdir()) == ["data.bin", "data.idx", "part.bin", "part.idx"]
+        written[chunk] = [(root / name).read_bytes() for name in ("data.bin", "data.idx")]
+        read = MMapIndexedDataset(root / "data")
+        assert [read[i].tolist() for i in range(len(read))] == [s.tolist() for s in sequences]
+    assert written[3] == written[1 << 16]

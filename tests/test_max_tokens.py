@@ -198,3 +198,66 @@ def test_a_resume_at_another_world_size_says_the_update_in_batches():
     assert line == ("resuming with global batch 2 --max-tokens batches → 1 --max-tokens batches; the data position "
                     "carries over as 812 samples consumed: the next update reads on from sample 812 of the same "
                     "order, 1 --max-tokens batches per update")
+
+
+# ------------------------------------------------------------------- --max-tokens-valid
+
+def validation_shapes(trainer: Trainer) -> tuple[float, list[tuple[int, int]]]:
+    """The validation loss, and the shapes of the batches it was computed on."""
+    shapes, compute = [], trainer.validator.compute_loss
+
+    def recording(batch):
+        shapes.append(tuple(batch["input_ids"].shape))
+        return compute(batch)
+
+    trainer.validator.compute_loss = recording
+    return trainer.validator.validate(trainer.model)[0].loss, shapes
+
+
+def valid_args(data_dir, *extra: str) -> list[str]:
+    return ["--data", data_dir, "--arch", "llama_tiny", "--tokens-per-sample", "32", "--sample-break-mode", "eos",
+            "--batch-size", "64", "--no-save", "--device", "cpu", "--decoder-layers", "1", *extra]
+
+
+def test_max_tokens_valid_batches_validation_by_its_budget_to_the_same_loss(data_dir, train_data):
+    by_rows, row_shapes = validation_shapes(Trainer(parse_args(valid_args(data_dir, "--batch-size-valid", "3"))))
+    assert len(row_shapes) == 7  # 20 samples, 3 a batch
+    # The budget defaults to --max-tokens, and --max-tokens-valid overrides it.
+    for extra in (["--max-tokens", "1024", "--max-tokens-valid", "96"], ["--max-tokens", "96"]):
+        loss, shapes = validation_shapes(Trainer(parse_args(valid_args(data_dir, "--required-batch-size-multiple",
+                                                                       "1", *extra))))
+        assert max(rows * width for rows, width in shapes) <= 96 and sum(rows for rows, _ in shapes) == 20
+        # Every sample once, in other batches: the loss over the split is the same but for rounding.
+        assert loss == pytest.approx(by_rows, rel=1e-6)
+
+
+def test_validation_samples_longer_than_the_budget_are_refused_or_skipped(data_dir, caplog):
+    with pytest.raises(UsageError) as refused:
+        Trainer(parse_args(valid_args(data_dir, "--max-tokens-valid", "20")))
+    sizes = load_split(parse_args(valid_args(data_dir)), "valid", "causal_lm", None).sizes
+    assert str(refused.value) == (
+        f"{int((sizes > 20).sum())} of the 20 samples of validation split valid are longer than --max-tokens-valid 20 "
+        f"(the longest has {sizes.max()} tokens): raise --max-tokens-valid to at least {sizes.max()}, or skip them "
+        "with --skip-invalid-size-inputs-valid-test")
+    trainer = Trainer(parse_args(valid_args(data_dir, "--max-tokens-valid", "20", "--skip-invalid-size-inputs-valid-test")))
+    loss, shapes = validation_shapes(trainer)
+    assert max(width for _, width in shapes) <= 20 and 0 < sum(rows for rows, _ in shapes) < 20
+
+
+def test_max_tokens_valid_splits_the_split_between_ranks_every_sample_once(data_dir):
+    """Rank r cuts its every-dp-th share of the split into budget batches; the ranks with fewer
+    batches run empty ones until the rank with the most is done (see Validator._subset)."""
+    from types import SimpleNamespace
+
+    from distlm.evaluation import Validator
+
+    config = parse_args(valid_args(data_dir, "--max-tokens-valid", "96", "--required-batch-size-multiple", "1"))
+    data = load_split(config, "valid", "causal_lm", None)
+    ctx = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=0, is_main=False,
+                          backend=SimpleNamespace(static_shapes=False))
+    validator = Validator(config, ctx, {"valid": data}, None, None, None, None)
+    ranks = validator._token_batches["valid"]
+    assert len(ranks) == 2
+    for rank, batches in enumerate(ranks):
+        assert sorted(np.concatenate(batches).tolist()) == list(range(rank, 20, 2))
+        assert max(len(batch) * int(data.sizes[batch].max()) for batch in batches) <= 96

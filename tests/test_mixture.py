@@ -16,6 +16,7 @@ import pytest
 from distlm.agreement import fingerprint_data
 from distlm.config import parse_args
 from distlm.data import GlobalBatchSampler, MMapIndexedDataset, load_split, write_indexed_dataset
+from distlm.data.batches import training_sampler
 from distlm.errors import UsageError
 from distlm.train import main
 from distlm.trainer import Trainer
@@ -237,3 +238,78 @@ def test_a_mixture_packs_with_document_masks_as_each_source_does(sources):
         assert np.array_equal(batch["targets"][row, :len(targets)].numpy(), targets)
         assert np.array_equal(batch["document_ids"][row, :len(inputs)].numpy(), own.document_ids(epoch, inner)[:-1])
     assert (batch["targets"] == -100).any()  # some sample holds a document start, which predicts nothing
+
+
+# ------------------------------------------------------------ --max-tokens over a mixture
+
+def token_sampler(sources, update_freq: int, rank: int = 0, ranks: int = 1, *extra: str):
+    config = parse_args(mixture_args(sources, {"a": 0.3, "c": 0.7}, "--max-tokens", "64",
+                                     "--update-freq", str(update_freq), *extra))
+    data = load_split(config, "train", "causal_lm", None)
+    return data, training_sampler(config, data, rank, ranks, None, False)
+
+
+def test_max_tokens_batches_a_mixture_within_the_budget_each_epoch_every_index_once(sources):
+    data, sampler = token_sampler(sources, 1)
+    sizes = {}
+    for epoch in (0, 1):
+        sizes[epoch] = data.sizes_in_epoch(epoch)
+        # The lengths the batches are cut by are those of the samples each index is that epoch.
+        assert sizes[epoch].tolist() == [len(data.sample(epoch, i)[0]) for i in range(len(data))]
+        batches = sampler.batches(epoch)[0]
+        assert sorted(np.concatenate(batches).tolist()) == list(range(len(data)))
+        assert max(len(batch) * int(sizes[epoch][batch].max()) for batch in batches) <= 64
+    # Source c (60 samples) is drawn 252 times an epoch, a (300) 108 times: another subset
+    # each epoch, so the epochs' lengths differ and each is cut on its own.
+    assert sorted(sizes[0]) != sorted(sizes[1])
+    assert sampler.updates_in_epochs(2) == len(sampler.batches(0)[0]) + len(sampler.batches(1)[0])
+
+
+def test_max_tokens_over_a_mixture_is_one_stream_on_one_and_two_ranks_and_resumes_exactly(sources):
+    _, one = token_sampler(sources, 2)
+    ranks = [token_sampler(sources, 1, rank, 2)[1] for rank in (0, 1)]
+    consumed, positions = 0, []
+    while one.epoch_of(consumed) < 1 or len(positions) < 3 + one.num_batches // 2:  # into epoch 1
+        expected = one.update_micro_batches(consumed, 0)
+        assert [micro for sampler in ranks for micro in sampler.update_micro_batches(consumed, 0)] == expected
+        positions.append((consumed, expected))
+        consumed += one.samples_in_update(consumed)
+    # A fresh sampler (a resumed run) at another world size continues from the count alone,
+    # in epoch 1 too, whose batches come after epoch 0's however many those were.
+    for consumed, expected in positions[-3:]:
+        resumed = [token_sampler(sources, 1, rank, 2)[1] for rank in (0, 1)]
+        assert [micro for sampler in resumed for micro in sampler.update_micro_batches(consumed, 0)] == expected
+
+
+def test_a_mixtures_training_counts_follow_the_token_batches(sources):
+    data, sampler = token_sampler(sources, 2)
+    consumed = 0
+    read = np.zeros(2, dtype=int)
+    while consumed < len(data) + 20:  # into the second epoch
+        for batch in sampler.update_micro_batches(consumed, 0):
+            for epoch, index in batch:
+                read[data.index.locate(epoch, index)[0]] += 1
+        consumed += sampler.samples_in_update(consumed)
+    assert sampler.epoch_of(consumed) == 1
+    assert list(data.drawn(consumed, sampler.permutation).values()) == read.tolist()
+
+
+def test_a_mixture_refuses_samples_longer_than_the_budget_in_one_line(sources):
+    config = parse_args(mixture_args(sources, {"a": 0.3, "c": 0.7}, "--max-tokens", "8",
+                                     "--skip-invalid-size-inputs-valid-test"))
+    data = load_split(config, "train", "causal_lm", None)
+    longest = int(data.drawn_sizes.max())
+    with pytest.raises(UsageError, match=rf"mixture cannot skip them .* raise --max-tokens to at least {longest}$") \
+            as refused:
+        training_sampler(config, data, 0, 1, None, False)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_run_on_a_mixture_trains_and_validates_with_max_tokens(sources, tmp_path, capsys):
+    args = mixture_args(sources, {"a": 0.3, "c": 0.7}, "--max-tokens", "64", "--max-update", "2", "--no-save",
+                        "--save-dir", str(tmp_path), "--log-format", "json")
+    trainer = Trainer(parse_args(args))
+    trainer.fit()
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if '"kind": "valid"' in line]
+    drawn = [r["train_samples"] for r in records if "train_samples" in r]
+    assert len(drawn) == 2 and sum(drawn) == trainer.consumed_samples > 0

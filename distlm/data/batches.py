@@ -65,7 +65,20 @@ def with_host_facts(batch: dict[str, Any], pad: int, positions: bool = True) -> 
     batch["has_padding"] = batch["input_count"] < batch["input_ids"].numel()
     if positions:
         batch["masked_positions"] = torch.nonzero(targets.flatten() != IGNORE_INDEX).squeeze(1)
+    if "document_ids" in batch:
+        batch["attention_pairs"] = attention_pairs(batch["document_ids"])
     return batch
+
+
+def attention_pairs(document_ids: torch.Tensor) -> int:
+    """The (query, key) pairs that attention within documents computes over a batch's rows,
+    counted as MFU counts a sequence's (its length squared): the sum of the documents'
+    squared lengths, padding (id -1) left out."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    segment = starts.flatten().cumsum(0)
+    lengths = torch.bincount(segment[document_ids.flatten() != -1])
+    return int(lengths.square().sum())
 
 
 def update_batches(data: Any, sampler: Sampler, start: int, pad: int, num_workers: int,
@@ -94,18 +107,24 @@ def training_sampler(config: Any, data: Any, dp_rank: int, dp_size: int, fixed_l
     if fixed_length is not None:
         raise UsageError("--max-tokens makes batches of varying shapes, which --compile, pipeline parallelism and "
                          "static-shape devices cannot take: use --batch-size there")
-    if not hasattr(data, "sizes"):
-        raise UsageError("--max-tokens needs the training data's sample lengths, which a mixture of --data sources "
-                         "and data handed to the Trainer without a `sizes` array do not give: batch with --batch-size")
-    sampler = TokenBudgetSampler(data.sizes, settings.max_tokens, settings.batch_size,
-                                 settings.required_batch_size_multiple, settings.update_freq, dp_rank, dp_size,
-                                 config.seed, settings.skip_invalid_size_inputs_valid_test)
+    budget = (settings.max_tokens, settings.batch_size, settings.required_batch_size_multiple, settings.update_freq,
+              dp_rank, dp_size, config.seed, settings.skip_invalid_size_inputs_valid_test)
+    if hasattr(data, "sizes_in_epoch"):  # a mixture: each epoch draws other samples of its sources
+        sampler = TokenBudgetSampler(data.drawn_sizes, *budget, epoch_sizes=data.sizes_in_epoch,
+                                     num_samples=len(data))
+    elif hasattr(data, "sizes"):
+        sampler = TokenBudgetSampler(data.sizes, *budget)
+    else:
+        raise UsageError("--max-tokens needs the training data's sample lengths, which data handed to the Trainer "
+                         "without a `sizes` array does not give: batch with --batch-size")
     if is_main:
         if sampler.skipped:
             logger.warning("--skip-invalid-size-inputs-valid-test: %d training samples longer than --max-tokens %d "
                            "are left out", sampler.skipped, settings.max_tokens)
-        logger.info("--max-tokens %d: %d batches of %d samples per epoch, %d per update", settings.max_tokens,
-                    sampler.num_batches, sampler.num_samples, sampler.batches_per_update)
+        logger.info("--max-tokens %d: %d batches of %d samples %s, %d per update", settings.max_tokens,
+                    sampler.num_batches, sampler.num_samples,
+                    "per epoch" if sampler.epoch_sizes is None else "in the first epoch (each epoch its own)",
+                    sampler.batches_per_update)
     return sampler
 
 

@@ -22,7 +22,7 @@ import array
 import os
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -230,11 +230,19 @@ class MMapIndexedDataset:
         return int(self.sizes.sum(dtype=np.int64))
 
 
+INDEX_CHUNK = 1 << 16
+"""Sequences whose sizes the builder holds at a time: its memory, whatever the dataset's size."""
+
+
 class IndexedDatasetBuilder:
     """Writes ``{prefix}.bin`` as sequences arrive, and ``{prefix}.idx`` on :meth:`finish`.
 
     ``flavour="megatron"`` adds Megatron's document index, with one document per
     sequence (``doc_idx = 0, 1, ..., N``, as Megatron's builder writes it).
+
+    Memory stays the same whatever the number of sequences: their sizes go to a file beside
+    the index (``{prefix}.idx.partial``) as they come, and :meth:`finish` writes the index
+    from it ``INDEX_CHUNK`` sizes at a time.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type = np.uint16, flavour: str = FAIRSEQ) -> None:
@@ -245,14 +253,18 @@ class IndexedDatasetBuilder:
         self.flavour = flavour
         self._code = _dtype_code(self.dtype, flavour)
         self._limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
-        # 8 bytes a sequence, where a list of ints took about 36: a corpus can hold many millions.
-        self._sizes = array.array("q")
+        self._count = 0
+        self._tokens = 0
+        self._pending = array.array("q")
+        """Sizes not yet in the sizes file (at most INDEX_CHUNK)."""
         self._data_file = open(data_path(prefix), "wb")
+        self._sizes_path = Path(f"{index_path(prefix)}.partial")
+        self._sizes_file = open(self._sizes_path, "w+b")
 
     def add(self, sequence: Iterable[int] | np.ndarray) -> None:
         """Append one sequence (one document)."""
         values = np.asarray(sequence)
-        number = len(self._sizes)
+        number = self._count
         if values.ndim != 1:
             raise UsageError(f"write_indexed_dataset {self.prefix}: sequence {number} must be one-dimensional")
         limits = self._limits
@@ -262,7 +274,15 @@ class IndexedDatasetBuilder:
                 f"pass a wider dtype"
             )
         self._data_file.write(values.astype(self.dtype).tobytes())
-        self._sizes.append(values.size)
+        self._pending.append(values.size)
+        self._count += 1
+        self._tokens += values.size
+        if len(self._pending) >= INDEX_CHUNK:
+            self._flush_sizes()
+
+    def _flush_sizes(self) -> None:
+        self._sizes_file.write(np.asarray(self._pending, dtype="<i8").tobytes())
+        del self._pending[:]
 
     def merge(self, prefix: str | os.PathLike) -> None:
         """Append every sequence of the finished dataset at ``prefix``, which must hold this
@@ -272,35 +292,57 @@ class IndexedDatasetBuilder:
             raise UsageError(f"write_indexed_dataset {self.prefix}: {prefix} holds {part.dtype}, not {self.dtype}")
         with open(data_path(prefix), "rb") as data_file:
             shutil.copyfileobj(data_file, self._data_file)
-        self._sizes.extend(part.sizes.astype(np.int64))
+        self._flush_sizes()
+        for start in range(0, len(part), INDEX_CHUNK):
+            self._sizes_file.write(part.sizes[start:start + INDEX_CHUNK].astype("<i8").tobytes())
+        self._count += len(part)
+        self._tokens += part.num_tokens
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return self._count
 
     @property
     def num_tokens(self) -> int:
-        return sum(self._sizes)
+        return self._tokens
+
+    def _size_chunks(self) -> Iterator[np.ndarray]:
+        """The sizes written so far, INDEX_CHUNK at a time."""
+        self._flush_sizes()
+        self._sizes_file.seek(0)
+        while True:
+            chunk = np.fromfile(self._sizes_file, dtype="<i8", count=INDEX_CHUNK)
+            if not len(chunk):
+                return
+            yield chunk
 
     def finish(self) -> None:
         """Close the ``.bin`` and write the ``.idx``."""
         self._data_file.close()
-        count = len(self._sizes)
-        size_array = np.asarray(self._sizes, dtype="<i4")
-        pointers = np.zeros(count, dtype="<i8")
-        if count > 1:
-            np.cumsum(size_array[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        count = self._count
         with open(index_path(self.prefix), "wb") as index_file:
             index_file.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, self._code, count))
             if self.flavour == MEGATRON:
                 index_file.write(_DOC_COUNT.pack(count + 1))
-            index_file.write(size_array.tobytes())
-            index_file.write(pointers.tobytes())
+            for chunk in self._size_chunks():
+                index_file.write(chunk.astype("<i4").tobytes())
+            offset = 0  # each sequence's byte offset in the .bin
+            for chunk in self._size_chunks():
+                ends = offset + np.cumsum(chunk * self.dtype.itemsize)
+                index_file.write(np.concatenate([[offset], ends[:-1]]).astype("<i8").tobytes())
+                offset = int(ends[-1])
             if self.flavour == MEGATRON:
-                index_file.write(np.arange(count + 1, dtype="<i8").tobytes())
+                for start in range(0, count + 1, INDEX_CHUNK):
+                    index_file.write(np.arange(start, min(count + 1, start + INDEX_CHUNK), dtype="<i8").tobytes())
+        self._close_sizes()
 
     def close(self) -> None:
         """Stop without writing an index (after an error)."""
         self._data_file.close()
+        self._close_sizes()
+
+    def _close_sizes(self) -> None:
+        self._sizes_file.close()
+        self._sizes_path.unlink(missing_ok=True)
 
 
 def write_indexed_dataset(

@@ -224,6 +224,22 @@ class MixtureData:
 
     collate = LMData.collate  # it needs only ``sample``, ``document_ids`` and ``dictionary``
 
+    def sizes_in_epoch(self, epoch: int) -> np.ndarray:
+        """Input tokens of each mixture sample in ``epoch`` (``--max-tokens`` batches by them): an
+        index is another sample of its source from epoch to epoch, so its length is too."""
+        sources, inner = self.index.locate_all(epoch)
+        sizes = np.empty(len(self), dtype=np.int64)
+        for number, source in enumerate(self.sources):
+            chosen = sources == number
+            sizes[chosen] = source.sizes[inner[chosen]]
+        return sizes
+
+    @property
+    def drawn_sizes(self) -> np.ndarray:
+        """The lengths of every sample a training epoch can draw (of the sources with a share)."""
+        return np.concatenate([source.sizes for source, count in zip(self.sources, self.index.counts) if count]
+                              or [np.zeros(0, dtype=np.int64)])
+
     def check_symbols(self, symbols: Sequence[str]) -> None:
         """UsageError unless ``symbols`` (a checkpoint's) are the sources' vocabulary."""
         self.sources[0].check_symbols(symbols)

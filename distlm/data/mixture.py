@@ -63,6 +63,22 @@ class MixtureIndex:
             self._orders[key] = np.random.default_rng([_MIXTURE_STREAM, self.seed, *key]).permutation(size)
         return source, int(self._orders[key][draw % size])
 
+    def locate_all(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`locate` of every index of ``epoch`` at once: each index's source, and its sample there."""
+        inner = np.empty(len(self), dtype=np.int64)
+        for source, size in enumerate(self.sizes):
+            at = np.flatnonzero(self.source_of == source)
+            draws = self.draw_of[at]
+            if not self.shuffle:
+                inner[at] = draws % size
+                continue
+            cycles = draws // size
+            for cycle in np.unique(cycles):
+                drawn = cycles == cycle
+                order = np.random.default_rng([_MIXTURE_STREAM, self.seed, source, epoch, int(cycle)]).permutation(size)
+                inner[at[drawn]] = order[draws[drawn] % size]
+        return self.source_of.astype(np.int64), inner
+
     def drawn(self, consumed: int, permutation: Callable[[int], np.ndarray]) -> list[int]:
         """Samples of each source among the stream's first ``consumed`` positions, where
         ``permutation(epoch)`` is the order the sampler reads the epoch's indices in."""

@@ -26,6 +26,8 @@ document (say ``</s>``) is encoded as text. Empty documents are skipped.
 
 ``round(valid_fraction x documents)`` documents (at least one), chosen from ``--seed``
 alone, become the validation split; ``--valid-fraction 0`` writes no validation split.
+Memory does not grow with the corpus: files are read as streams, the index's sizes are
+written to a file as they come, and the held-out choice is drawn block by block (:class:`HeldOut`).
 The rest keep their input order in the training split, and only they train a tokenizer.
 """
 
@@ -213,23 +215,89 @@ def all_documents(inputs: Sequence[Path], text_key: str | None) -> Iterator[str]
         yield from file_documents(path, text_key)
 
 
-def choose_valid_documents(num_documents: int, valid_fraction: float, seed: int) -> np.ndarray:
-    """A boolean mask of the documents held out for validation.
+HELD_OUT_BLOCK = 1 << 16
+"""Documents whose held-out choice is drawn at a time: that choice's memory, whatever the corpus size."""
+# Keeps the held-out draw apart from other seeded streams.
+_HELD_OUT_STREAM = 0x56414C44
+# numpy draws hypergeometric numbers of held-out and kept documents below this each.
+_HYPERGEOMETRIC_LIMIT = 10**9
 
-    ``round(valid_fraction * num_documents)`` documents (at least one when the fraction is
-    positive), drawn uniformly from ``seed`` alone, so a rerun holds out the same ones.
+
+class HeldOut:
+    """Which of ``num_documents`` documents (or of the window ``start:stop`` of them) are held
+    out for validation: ``round(valid_fraction x num_documents)`` (at least one when the
+    fraction is positive), a uniformly drawn subset fixed by ``seed`` alone, so a rerun holds
+    out the same ones.
+
+    Drawn in constant memory, whatever the corpus size: the documents fall into blocks of
+    ``HELD_OUT_BLOCK``; a chain of hypergeometric draws from the seed gives each block its
+    number of held-out documents (as many as a uniform subset puts there), and a draw seeded
+    by the block picks which. Reading the documents in order walks the chain once.
     """
-    is_valid = np.zeros(num_documents, dtype=bool)
-    if valid_fraction == 0:
-        return is_valid
-    count = max(1, round(valid_fraction * num_documents))
-    if count >= num_documents:
-        raise UsageError(
-            f"--valid-fraction {valid_fraction} of {num_documents} documents leaves none for training; "
-            f"give more documents or a smaller --valid-fraction"
-        )
-    is_valid[np.random.default_rng(seed).choice(num_documents, size=count, replace=False)] = True
-    return is_valid
+
+    def __init__(self, num_documents: int, valid_fraction: float, seed: int, start: int = 0,
+                 stop: int | None = None) -> None:
+        self.total, self.valid_fraction, self.seed = num_documents, valid_fraction, seed
+        self.count = 0 if valid_fraction == 0 else max(1, round(valid_fraction * num_documents))
+        if self.count and self.count >= num_documents:
+            raise UsageError(
+                f"--valid-fraction {valid_fraction} of {num_documents} documents leaves none for training; "
+                f"give more documents or a smaller --valid-fraction"
+            )
+        if max(self.count, num_documents - self.count) >= _HYPERGEOMETRIC_LIMIT:
+            raise UsageError(f"--input holds {num_documents:,} documents, more than one prepare splits into train "
+                             f"and valid; prepare the files in several runs of fewer than {_HYPERGEOMETRIC_LIMIT:,}")
+        self.start, self.stop = start, num_documents if stop is None else stop
+        self._chain: tuple | None = None
+        self._block: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def window(self, start: int, stop: int) -> "HeldOut":
+        """The same choice, for documents ``start:stop`` of this window."""
+        return HeldOut(self.total, self.valid_fraction, self.seed, self.start + start, self.start + stop)
+
+    def mask(self, start: int, stop: int) -> np.ndarray:
+        """Whether each document ``start:stop`` of this window is held out."""
+        first, last = self.start + start, self.start + stop
+        parts = [self._block_mask(block)[max(first - block * HELD_OUT_BLOCK, 0):last - block * HELD_OUT_BLOCK]
+                 for block in range(first // HELD_OUT_BLOCK, -(-last // HELD_OUT_BLOCK))]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+
+    def flags(self) -> Iterator[bool]:
+        """Whether each document of this window is held out, in order."""
+        for start in range(0, len(self), HELD_OUT_BLOCK):
+            yield from self.mask(start, min(start + HELD_OUT_BLOCK, len(self))).tolist()
+
+    def _block_mask(self, block: int) -> np.ndarray:
+        if self._block is None or self._block[0] != block:
+            size = min(HELD_OUT_BLOCK, self.total - block * HELD_OUT_BLOCK)
+            chosen = np.zeros(size, dtype=bool)
+            chosen[np.random.default_rng([_HELD_OUT_STREAM, self.seed, block]).choice(
+                size, self._block_count(block), replace=False)] = True
+            self._block = (block, chosen)
+        return self._block[1]
+
+    def _block_count(self, block: int) -> int:
+        """Held-out documents in ``block``: the chain's draw for it (walked from the start again
+        only when asked for an earlier block)."""
+        if self._chain is not None and self._chain[0] == block + 1:
+            return self._chain[4]
+        if self._chain is None or self._chain[0] > block:
+            self._chain = (0, np.random.default_rng([_HELD_OUT_STREAM, self.seed]), self.total, self.count, 0)
+        index, rng, left, held, drawn = self._chain
+        while index <= block:
+            size = min(HELD_OUT_BLOCK, left)
+            drawn = int(rng.hypergeometric(held, left - held, size)) if size < left else held
+            index, left, held = index + 1, left - size, held - drawn
+        self._chain = (index, rng, left, held, drawn)
+        return drawn
+
+
+def choose_valid_documents(num_documents: int, valid_fraction: float, seed: int) -> np.ndarray:
+    """A boolean mask of the documents held out for validation (see :class:`HeldOut`)."""
+    return HeldOut(num_documents, valid_fraction, seed).mask(0, num_documents)
 
 
 def prepare(
@@ -275,14 +343,15 @@ def prepare(
         if num_documents == 0:
             raise UsageError(f"--input {' '.join(map(str, paths))} holds no documents; check the files and "
                              f"--text-key")
-        is_valid = choose_valid_documents(num_documents, valid_fraction, seed)
+        is_valid = HeldOut(num_documents, valid_fraction, seed)
         files = _FileSet(paths, text_key, counts, is_valid)
 
         if tokenizer_dir is not None:
             stats = _write_data(Path(tokenizer_dir), loaded, files, out, progress, pool)
         else:
             with tempfile.TemporaryDirectory(prefix="distlm-tokenizer-") as trained:
-                training = (doc for doc, held_out in zip(all_documents(paths, text_key), is_valid) if not held_out)
+                training = (doc for doc, held_out in zip(all_documents(paths, text_key), is_valid.flags())
+                            if not held_out)
                 train_tokenizer(training, trained, tokenizer_model, vocab_size)
                 stats = _write_data(Path(trained), _load_tokenizer(Path(trained)), files, out, progress, pool)
             stats["trained"] = tokenizer_model
@@ -294,12 +363,12 @@ def prepare(
 class _FileSet:
     """The inputs with their document counts, and which of their documents are held out."""
 
-    def __init__(self, paths: list[Path], text_key: str | None, counts: list[int], is_valid: np.ndarray) -> None:
+    def __init__(self, paths: list[Path], text_key: str | None, counts: list[int], is_valid: HeldOut) -> None:
         self.paths, self.text_key, self.is_valid = paths, text_key, is_valid
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
 
     def task(self, index: int, tokenizer_dir: Path, part_prefix: str, splits: list[str], dtype: np.dtype) -> tuple:
-        held_out = self.is_valid[self.starts[index]:self.starts[index + 1]]
+        held_out = self.is_valid.window(self.starts[index], self.starts[index + 1])
         return self.paths[index], self.text_key, held_out, tokenizer_dir, part_prefix, splits, dtype
 
 
@@ -386,7 +455,7 @@ def _write_data(tokenizer_dir: Path, loaded: tuple, files: _FileSet, out: Path, 
     dtype = smallest_token_dtype(len(vocabulary))
     # Written under temporary names and renamed at the end: an interrupted run never
     # leaves a split that looks complete.
-    splits = [split for split in SPLITS if split == "train" or is_valid.any()]
+    splits = [split for split in SPLITS if split == "train" or is_valid.count]
     builders = {split: IndexedDatasetBuilder(out / f".{split}.partial", dtype, flavour=MEGATRON) for split in splits}
     try:
         _tokenize(loaded, files, tokenizer_dir, out, dtype, builders, progress, pool)
@@ -481,7 +550,7 @@ def _encode_part(task: tuple) -> None:
         builder.finish()
 
 
-def _encode_file(loaded: tuple, path: Path, text_key: str | None, held_out: np.ndarray, builders: dict,
+def _encode_file(loaded: tuple, path: Path, text_key: str | None, held_out: HeldOut, builders: dict,
                  report) -> None:
     """Every document of ``path`` encoded, with the eos appended, into its split's builder."""
     tokenizer, _, eos = loaded
@@ -495,7 +564,7 @@ def _encode_file(loaded: tuple, path: Path, text_key: str | None, held_out: np.n
             if number + len(batch) > len(held_out):
                 raise UsageError(f"--input {path} changed while it was read (more documents than counted); rerun")
             for encoding, valid in zip(tokenizer.encode_batch(batch, add_special_tokens=False),
-                                       held_out[number:number + len(batch)]):
+                                       held_out.mask(number, number + len(batch))):
                 builders["valid" if valid else "train"].add(
                     np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos_array]))
             number += len(batch)

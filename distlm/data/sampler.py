@@ -11,6 +11,9 @@ epochs, so nothing depends on the batch size dividing N.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
+
 import numpy as np
 
 from distlm.errors import UsageError
@@ -133,25 +136,40 @@ def token_budget_bounds(sorted_sizes: np.ndarray, max_tokens: int, max_sentences
     return np.asarray(bounds, dtype=np.int64)
 
 
+def token_budget_batches(sizes: np.ndarray, indices: np.ndarray, max_tokens: int, max_sentences: int,
+                         multiple: int) -> list[np.ndarray]:
+    """``indices`` in batches within the token budget, as :class:`TokenBudgetSampler` cuts an
+    epoch but unshuffled: by length (ties in index order), for validation (``--max-tokens-valid``)."""
+    order = indices[np.argsort(sizes[indices], kind="stable")]
+    bounds = token_budget_bounds(sizes[order], max_tokens, max_sentences, multiple)
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 class TokenBudgetSampler:
     """``--max-tokens``: batches of samples of similar length within a token budget, as fairseq's.
 
     Each epoch sorts the samples by length (ties in an order seeded by ``(seed, epoch)``) and
     cuts them into batches at fixed places (:func:`token_budget_bounds`: the places depend on
-    the lengths only, so every epoch has the same number of batches), then shuffles the
-    batches by ``(seed, epoch)``. The batches of all epochs form one stream, the same on every
-    world size; an update takes its next ``update_freq x dp_size`` batches, and rank r trains
-    on the r-th run of ``update_freq`` of them as its micro-batches. One process with
-    ``--update-freq`` ``update_freq x dp_size`` trains on the same batches in the same order.
+    the lengths only, so every epoch of one dataset has the same number of batches), then
+    shuffles the batches by ``(seed, epoch)``. The batches of all epochs form one stream, the
+    same on every world size; an update takes its next ``update_freq x dp_size`` batches, and
+    rank r trains on the r-th run of ``update_freq`` of them as its micro-batches. One process
+    with ``--update-freq`` ``update_freq x dp_size`` trains on the same batches in the same order.
 
     The position is still ``consumed_samples``: the samples of the batches consumed. Within an
     epoch it names one batch of the shuffled order, so a run resumes exactly at any world size
     or ``--update-freq``; a count that falls inside a batch (one saved without --max-tokens or
     with other lengths) is refused in one line.
+
+    ``epoch_sizes(epoch)``: the lengths of the samples in ``epoch``, where they change from epoch
+    to epoch (a mixture, whose index i is another sample of its source each epoch); ``sizes`` then
+    holds every length a sample can have, for the check against the budget. Each epoch is cut
+    at its own places, so epochs may differ in their number of batches: the stream counts them.
     """
 
     def __init__(self, sizes: np.ndarray, max_tokens: int, max_sentences: int, multiple: int, update_freq: int,
-                 dp_rank: int, dp_size: int, seed: int, skip_too_long: bool = False) -> None:
+                 dp_rank: int, dp_size: int, seed: int, skip_too_long: bool = False,
+                 epoch_sizes: Callable[[int], np.ndarray] | None = None, num_samples: int | None = None) -> None:
         sizes = np.asarray(sizes, dtype=np.int64)
         too_long = sizes > max_tokens
         if too_long.any() and not skip_too_long:
@@ -160,17 +178,32 @@ class TokenBudgetSampler:
                 f"(the longest has {int(sizes.max())} tokens): raise --max-tokens to at least {int(sizes.max())}, or "
                 "skip them with --skip-invalid-size-inputs-valid-test"
             )
+        if too_long.any() and epoch_sizes is not None:
+            raise UsageError(
+                f"{int(too_long.sum())} samples of the mixture's sources are longer than --max-tokens {max_tokens}, "
+                "and a mixture cannot skip them (its epochs would change length): raise --max-tokens to at least "
+                f"{int(sizes.max())}"
+            )
         self.skipped = int(too_long.sum())
         """Samples left out for being longer than the budget (--skip-invalid-size-inputs-valid-test)."""
-        self.indices = np.flatnonzero(~too_long)
-        if len(self.indices) == 0:
-            raise UsageError(f"no training sample fits --max-tokens {max_tokens}; raise --max-tokens")
-        self.sizes = sizes[self.indices]
-        self.num_samples = len(self.indices)
+        self.epoch_sizes = epoch_sizes
+        self.max_tokens, self.max_sentences, self.multiple = max_tokens, max_sentences, multiple
+        if epoch_sizes is None:
+            self.indices = np.flatnonzero(~too_long)
+            if len(self.indices) == 0:
+                raise UsageError(f"no training sample fits --max-tokens {max_tokens}; raise --max-tokens")
+            self.sizes = sizes[self.indices]
+            self.num_samples = len(self.indices)
+            self.bounds = token_budget_bounds(np.sort(self.sizes, kind="stable"), max_tokens, max_sentences, multiple)
+        else:
+            self.num_samples = int(num_samples)
+            self.indices = np.arange(self.num_samples)
         self.update_freq, self.dp_rank, self.dp_size, self.seed = update_freq, dp_rank, dp_size, seed
-        self.bounds = token_budget_bounds(np.sort(self.sizes, kind="stable"), max_tokens, max_sentences, multiple)
-        self.num_batches = len(self.bounds) - 1
-        """Batches per epoch (the same in every epoch)."""
+        self._epochs: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+        self._batches_before = [0]
+        """Batches of the stream before each epoch, as far as they are known (epochs of their own lengths)."""
+        self.num_batches = len(self.bounds) - 1 if epoch_sizes is None else len(self.batches(0)[0])
+        """Batches per epoch (of the first epoch, where epochs differ)."""
         self.batches_per_update = update_freq * dp_size
         if self.batches_per_update > self.num_batches:
             raise UsageError(
@@ -178,7 +211,6 @@ class TokenBudgetSampler:
                 f"replicas) but --max-tokens {max_tokens} makes only {self.num_batches} of the {self.num_samples} "
                 "training samples: lower --max-tokens or --update-freq, or use fewer ranks"
             )
-        self._epochs: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
         self._last_position = (-1, 0)
 
     def epoch_of(self, consumed_samples: int) -> int:
@@ -190,14 +222,36 @@ class TokenBudgetSampler:
         consumed before each batch of it (one more entry: the epoch's total)."""
         if epoch not in self._epochs:
             rng = np.random.default_rng([_SHUFFLE_STREAM, self.seed, epoch])
-            order = np.lexsort((rng.permutation(self.num_samples), self.sizes))  # by length, ties shuffled
-            cut = [self.indices[order[a:b]] for a, b in zip(self.bounds[:-1], self.bounds[1:])]
-            shuffled = [cut[i] for i in rng.permutation(self.num_batches)]
+            if self.epoch_sizes is None:
+                sizes, bounds = self.sizes, self.bounds
+            else:
+                sizes = np.asarray(self.epoch_sizes(epoch), dtype=np.int64)
+                bounds = token_budget_bounds(np.sort(sizes, kind="stable"), self.max_tokens, self.max_sentences,
+                                             self.multiple)
+            order = np.lexsort((rng.permutation(self.num_samples), sizes))  # by length, ties shuffled
+            cut = [self.indices[order[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+            shuffled = [cut[i] for i in rng.permutation(len(cut))]
             before = np.concatenate([[0], np.cumsum([len(batch) for batch in shuffled])])
             if len(self._epochs) >= 2:  # an update touches at most two epochs
                 self._epochs.pop(min(self._epochs))
             self._epochs[epoch] = (shuffled, before)
         return self._epochs[epoch]
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        return self.num_batches if self.epoch_sizes is None else len(self.batches(epoch)[0])
+
+    def first_batch(self, epoch: int) -> int:
+        """Batches of the stream before ``epoch``."""
+        if self.epoch_sizes is None:
+            return epoch * self.num_batches
+        while len(self._batches_before) <= epoch:
+            self._batches_before.append(self._batches_before[-1] + self.batches_in_epoch(len(self._batches_before) - 1))
+        return self._batches_before[epoch]
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The sample indices of ``epoch`` in the order training reads them (a mixture's per-source
+        counts of consumed samples follow it)."""
+        return np.concatenate(self.batches(epoch)[0])
 
     def batch_position(self, consumed_samples: int) -> int:
         """Batches of the stream consumed after ``consumed_samples`` samples."""
@@ -213,11 +267,17 @@ class TokenBudgetSampler:
                 f"the data position, {consumed_samples} samples consumed, falls inside a --max-tokens batch (the "
                 "checkpoint was saved with other batching or other data); resume with the batching it was saved with"
             )
-        self._last_position = (consumed_samples, epoch * self.num_batches + k)
+        self._last_position = (consumed_samples, self.first_batch(epoch) + k)
         return self._last_position[1]
 
     def _batch(self, position: int) -> list[Sample]:
-        epoch, k = divmod(position, self.num_batches)
+        if self.epoch_sizes is None:
+            epoch, k = divmod(position, self.num_batches)
+        else:
+            epoch = bisect.bisect_right(self._batches_before, position) - 1
+            while self.first_batch(epoch + 1) <= position:
+                epoch += 1
+            k = position - self.first_batch(epoch)
         return [(epoch, int(index)) for index in self.batches(epoch)[0][k]]
 
     def update_micro_batches(self, start: int, k: int) -> list[list[Sample]]:
@@ -232,4 +292,4 @@ class TokenBudgetSampler:
 
     def updates_in_epochs(self, epochs: int) -> int:
         """Updates that ``epochs`` passes over the data take (the schedule's length under --max-epoch)."""
-        return -(-epochs * self.num_batches // self.batches_per_update)
+        return -(-self.first_batch(epochs) // self.batches_per_update)

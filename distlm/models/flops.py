@@ -3,7 +3,8 @@
 FLOPs are counted as torchtitan counts them for MFU: 6 FLOPs per token for every
 parameter a matrix multiply uses (2 in forward, 4 in backward), plus the attention
 score and value products, 12 x layers x (heads x head size) x sequence length per token,
-with no discount for the causal mask and no recomputation. Embedding lookups do no
+with no discount for the causal mask and no recomputation (with document masks, each
+document's own length instead: ``attention_flops_per_pair``). Embedding lookups do no
 matrix multiply, so their tables are left out, except where a table is also the output
 projection (RoBERTa's tied LM head), which multiplies like any weight.
 
@@ -261,7 +262,16 @@ def flops_per_token(model_config_or_model: object, seq_len: int, output_fraction
     s = model_shape(model_config_or_model)
     matmuls = matmul_parameters(s)
     output = output_head_parameters(s)
-    return 6.0 * (matmuls - output + output_fraction * output) + 12.0 * s.n_layers * s.attention_dim * seq_len
+    return 6.0 * (matmuls - output + output_fraction * output) + attention_flops_per_pair(s) * seq_len
+
+
+def attention_flops_per_pair(model: object) -> float:
+    """Training FLOPs of the attention score and value products for one (query, key) pair of a
+    sequence: ``12 x layers x heads x head size``. A sequence of T tokens counts T^2 pairs, as
+    :func:`flops_per_token` counts them (no causal discount); packed with document masks, a
+    block counts the sum of its documents' squared lengths, the attention actually computed."""
+    s = model_shape(model)
+    return 12.0 * s.n_layers * s.attention_dim
 
 
 def output_head_parameters(model: object) -> int:

@@ -7,6 +7,7 @@ either its own matrix or the token embedding itself (``tie_word_embeddings``).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -180,24 +181,96 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.flatten(-2).type_as(x)
 
 
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """Where a document starts in ``document_ids [B, T]``: at each row's first token and
+    wherever the id changes along a row. Documents are told apart by these changes, not by
+    the ids' values, so ids need not be unique across rows or blocks."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document, ``[B, T]`` (rotary positions restart at 0)."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return index - torch.where(document_starts(document_ids), index, 0).cummax(dim=1).values
+
+
 def document_positions_and_mask(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``document_ids [B, T]`` (a document is a run of equal ids along a row): each
     token's position within its document ``[B, T]``, and the boolean attention mask
     ``[B, 1, T, T]`` that lets a token see the earlier tokens of its own document only.
 
-    Documents are told apart by where the id changes, not by the id's value, so a row's
-    ids need not be unique across rows or blocks. Every token sees itself, so no row of
-    the mask is empty (SDPA would give NaN for one).
+    Every token sees itself, so no row of the mask is empty (SDPA would give NaN for one).
     """
     seq_len = document_ids.shape[1]
-    index = torch.arange(seq_len, device=document_ids.device)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, index, 0).cummax(dim=1).values
-    segment = starts.cumsum(dim=1)
+    segment = document_starts(document_ids).cumsum(dim=1)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
     mask = (segment[:, :, None] == segment[:, None, :]) & causal
-    return index - first, mask[:, None]
+    return document_positions(document_ids), mask[:, None]
+
+
+def document_cu_seqlens(document_ids: torch.Tensor) -> torch.Tensor:
+    """The documents of ``document_ids [B, T]`` as varlen attention takes them: the offsets
+    of their starts in the ``B x T`` tokens flattened row by row, then ``B x T``, int32
+    ``[documents + 1]``. The same documents as :func:`document_positions_and_mask`'s mask
+    (a row's end ends its last document). How many there are depends on the data, so on
+    CUDA this waits for the ids once per forward (every block reuses the offsets)."""
+    starts = torch.nonzero(document_starts(document_ids).flatten()).flatten()
+    return torch.cat([starts, starts.new_tensor([document_ids.numel()])]).to(torch.int32)
+
+
+DOCUMENT_ATTENTION = ("sdpa", "varlen")
+"""How attention keeps packed documents apart: SDPA with a block-diagonal causal mask (any
+device, O(T^2) memory for the mask), or torch.nn.attention.varlen's flash kernel over the
+documents' offsets (CUDA, bf16/fp16: each document attends on its own, no mask)."""
+
+
+def varlen_unavailable(config: LlamaConfig, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why torch.nn.attention.varlen cannot run ``config``'s attention on ``device`` in
+    ``dtype``, or None when it can."""
+    if device.type != "cuda":
+        return f"it runs on CUDA only, and this run is on {device.type}"
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if _varlen_causal_argument(varlen_attn) is None:
+        return f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal"
+    if dtype not in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        return f"its flash kernel computes in bf16 or fp16, and this run computes in {name} (add --bf16)"
+    if config.attention_dropout > 0:
+        return f"it has no attention dropout, and the model's attention_dropout is {config.attention_dropout}"
+    if config.head_dim % 8 or config.head_dim > 256:
+        return (f"its flash kernel takes head sizes that are multiples of 8 up to 256, "
+                f"and the model's is {config.head_dim}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return f"its flash kernel needs compute capability 8.0 or newer, and this GPU has {major}.{minor}"
+    return None
+
+
+def _varlen_causal_argument(varlen_attn) -> dict | None:
+    """The keyword that makes ``varlen_attn`` causal: torch 2.13 takes ``window_size=(-1, 0)``,
+    earlier releases took ``is_causal=True``; None if it takes neither."""
+    parameters = inspect.signature(varlen_attn).parameters
+    if "window_size" in parameters:
+        return {"window_size": (-1, 0)}
+    if "is_causal" in parameters:
+        return {"is_causal": True}
+    return None
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_len: int) -> torch.Tensor:
+    """Causal attention of each document on its own: ``q``, ``k``, ``v`` are ``[tokens, heads,
+    head size]`` (the batch's rows one after the other, as many heads each), ``cu_seqlens``
+    the documents' offsets (:func:`document_cu_seqlens`), ``max_len`` at least the longest
+    document (a bound such as the row length is enough: it sizes the kernel's grid)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **_varlen_causal_argument(varlen_attn))
 
 
 class LlamaAttention(nn.Module):
@@ -212,7 +285,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: None for plain causal attention, else a boolean ``[B, 1, T, T]`` (True: may attend)."""
+        """``mask``: None for plain causal attention; a boolean ``[B, 1, T, T]`` (True: may
+        attend) for SDPA; or the int32 offsets of packed documents (``document_cu_seqlens``)
+        for varlen attention, each document attending to itself alone."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -224,6 +299,9 @@ class LlamaAttention(nn.Module):
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
+        if mask is not None and mask.dtype != torch.bool:
+            out = varlen_causal_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), mask, seq_len)
+            return self.wo(out.reshape(batch, seq_len, -1))
         dropout_p = self.attention_dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -302,6 +380,10 @@ class LlamaCausalLM(TransformerLM):
     # The key/value heads of the colwise_kv projections: the degree divides them or is
     # a multiple of them (then each head is replicated over degree / kv_heads ranks).
     tp_kv_heads: str = "kv_heads"
+
+    document_attention: str = "sdpa"
+    """How attention keeps packed documents apart (``DOCUMENT_ATTENTION``); set by
+    :meth:`use_document_attention`."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -402,8 +484,23 @@ class LlamaCausalLM(TransformerLM):
         seq_len = input_ids.shape[1]
         if document_ids is None:
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if self.document_attention == "varlen":
+            positions = document_positions(document_ids)
+            return self.rope_cos[positions], self.rope_sin[positions], document_cu_seqlens(document_ids)
         positions, mask = document_positions_and_mask(document_ids)
         return self.rope_cos[positions], self.rope_sin[positions], mask
+
+    def use_document_attention(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Attend within packed documents through torch.nn.attention.varlen where it can run
+        on ``device`` computing in ``dtype``, else through SDPA with a mask; the start-up
+        log's line saying which, and on CUDA why not varlen."""
+        reason = varlen_unavailable(self.config, device, dtype)
+        self.document_attention = "sdpa" if reason else "varlen"
+        if reason is None:
+            return "document masking: attention through torch.nn.attention.varlen (flash attention per document)"
+        if device.type == "cuda":
+            return f"document masking: attention through SDPA with a block-diagonal mask, not varlen: {reason}"
+        return "document masking: attention through SDPA with a block-diagonal mask (varlen attention is CUDA's)"
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from the last block's output."""

@@ -8,8 +8,9 @@ final norm and head if it runs the last. The model's forward is split by the con
 what DDP or FSDP wraps and what a ``PipelineStage`` drives. The optimizer, clipping and
 checkpoints see the pruned model, so checkpoints keep the names of every other layout.
 
-Between stages travel the residual stream and the input ids (each stage recomputes the
-blocks' extra inputs, such as an attention mask, from the ids). A tied embedding lives on
+Between stages travel the residual stream and the input ids, with document masking also
+the document ids (each stage recomputes the blocks' extra inputs, such as an attention mask
+or restarted rotary positions, from the ids). A tied embedding lives on
 the first and the last stage, one copy each, equal at the start; their gradients are summed
 between the two after every update's backward (Megatron's embedding group), so the copies
 stay bit-identical. The loss exists on the last stage; its sum is reduced over the pipeline
@@ -239,14 +240,16 @@ class StageChunk(nn.Module):
         by_index = dict(zip((int(key) for key in blocks._modules), blocks))
         self.blocks = nn.ModuleList(by_index[index] for index in block_indices)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, *ids: torch.Tensor):
+        """The first stage takes ``input_ids`` (and with document masking ``document_ids``), a
+        later one the residual stream followed by them; all but the last hand the ids on."""
         model = self._model
         if self.first:
-            input_ids, x = x, model.embed(x)
-        block_args = model.block_args(input_ids)
+            ids, x = (x, *ids), model.embed(x)
+        block_args = model.block_args(*ids)
         for block in self.blocks:
             x = block(x, *block_args)
-        return model.head(x) if self.last else (x, input_ids)
+        return model.head(x) if self.last else (x, *ids)
 
 
 def cut_model(model: nn.Module, keep: list[range], first: bool, last: bool) -> nn.Module:
@@ -319,7 +322,8 @@ class PipelineRunner:
         return loss * self._factor
 
     def _run(self, schedule, batch: dict[str, torch.Tensor], forward_only: bool) -> None:
-        args = (batch["input_ids"],) if self.holds_first else ()
+        ids = (batch["input_ids"], batch["document_ids"]) if "document_ids" in batch else (batch["input_ids"],)
+        args = ids if self.holds_first else ()
         target = batch["targets"] if self.holds_last else None
         before = len(self._losses)
         with contextlib.ExitStack() as unsynced:
@@ -370,6 +374,9 @@ class PipelineRunner:
                 (extra, batch["input_ids"].shape[1]), self.padding_idx)])
             batch["targets"] = torch.cat([batch["targets"], batch["targets"].new_full(
                 (extra, batch["targets"].shape[1]), IGNORE_INDEX)])
+            if "document_ids" in batch:  # padding is a document of its own
+                batch["document_ids"] = torch.cat([batch["document_ids"], batch["document_ids"].new_full(
+                    (extra, batch["document_ids"].shape[1]), -1)])
         self._factor = 1.0
         self._run(self.eval_schedule, batch, forward_only=True)
         return self._loss_sum()

@@ -404,8 +404,9 @@ def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
     cut per-position logits back, so sequence shards are always even.
 
     The model's masked-LM arguments are passed by keyword (``masked_tokens``: a boolean
-    mask; ``masked_positions``: flat indices, renumbered for the longer rows), and
-    ``has_padding`` becomes true when padding was added.
+    mask; ``masked_positions``: flat indices, renumbered for the longer rows), as are a
+    causal LM's ``document_ids`` (padded as a document of its own), and ``has_padding``
+    becomes true when padding was added.
     """
     pad = model.padding_idx
     lengths: list[int] = []
@@ -425,6 +426,9 @@ def _pad_sequence_to_multiple(model: nn.Module, multiple: int) -> None:
             kwargs["input_ids"] = padded
         if kwargs.get("masked_tokens") is not None:
             kwargs["masked_tokens"] = nn.functional.pad(kwargs["masked_tokens"], (0, extra), value=False)
+        if kwargs.get("document_ids") is not None:
+            # The padding is a document of its own (-1), as the data pads, so no real token sees it.
+            kwargs["document_ids"] = nn.functional.pad(kwargs["document_ids"], (0, extra), value=-1)
         if kwargs.get("masked_positions") is not None:
             positions = kwargs["masked_positions"]
             kwargs["masked_positions"] = positions // length * (length + extra) + positions % length
