@@ -17,7 +17,8 @@ on each node), and two 2-node jobs go through it side by side, as a user submits
   hostnames``: doctor, training, export, equal bit for bit to the same command on one node.
 
 The kits are shrunk through their own environment variables; DRY_RUN=1 prints the very
-training command each job runs, which the one-node references run. About 2 min.
+training command each job runs, which the one-node references run. About 1.5 min (2.5 on a
+machine busy with other work).
 """
 
 from __future__ import annotations
