@@ -6,9 +6,10 @@
   arguments each configuration gives it. Skipped where aws-parallelcluster is not
   installed (``pip install 'distlm[cluster]'``).
 - Slurm recipes (examples/slurm/*.sbatch): ``bash -n``, ``#SBATCH`` options that sbatch
-  knows, and the whole job run for real under the Slurm stand-in in tests/fake_slurm (2
-  nodes of 1 task, both on this machine), shrunk through the recipes' own environment
-  variables to the tiny models on CPU.
+  knows, and the Llama-3.1-8B job run for real under the Slurm stand-in in tests/fake_slurm
+  (2 nodes of 1 task, both on this machine), shrunk through the recipe's own environment
+  variables to the tiny models on CPU. tests/test_slurm.py runs the RoBERTa and 70B
+  recipes under a real Slurm instead.
 - The mpiexec kit (examples/mpi/) on 2 local ranks.
 """
 
@@ -247,12 +248,13 @@ def test_hostfile_of_the_mpi_kit_is_open_mpi_syntax():
 # --------------------------------------------------------------------- real runs
 
 
-def job_environment(**settings: str) -> dict[str, str]:
-    """This environment less JOB_*_UNSET, the stand-ins and this Python first on PATH, one
-    thread per process, and the kit's settings."""
+def job_environment(stand_in: bool = True, **settings: str) -> dict[str, str]:
+    """This environment less JOB_*_UNSET, the stand-ins (unless ``stand_in=False``: a real
+    Slurm's commands) and this Python first on PATH, one thread per process, and the kit's settings."""
     env = {name: value for name, value in os.environ.items()
            if not name.startswith(JOB_PREFIXES_UNSET) and name not in JOB_NAMES_UNSET}
-    env["PATH"] = os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), env.get("PATH", "")])
+    stand_ins = [str(FAKE_SLURM)] if stand_in else []
+    env["PATH"] = os.pathsep.join([*stand_ins, str(Path(sys.executable).parent), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env.update(settings)
     return env
@@ -282,17 +284,6 @@ def trained_updates(save_dir: Path) -> tuple[int, int]:
     """(updates, world size) recorded in the run's last checkpoint."""
     meta = CheckpointReader(save_dir / "checkpoint_last").meta
     return meta["progress"]["num_updates"], meta["world_size"]
-
-
-@needs_doctor
-def test_roberta_recipe_runs_under_slurm_on_two_nodes(data_dir, tmp_path):
-    save_dir = tmp_path / "checkpoints"
-    # --allow-slow-fp16: the recipe's --fp16 --memory-efficient-fp16 on a CPU.
-    settings = shrunk(data_dir, save_dir, "roberta_tiny", "--batch-size 4 --allow-slow-fp16")
-    code, output = run_job(["sbatch", "--nodes=2", "--ntasks-per-node=1", "examples/slurm/roberta_large_p3dn.sbatch"],
-                           job_environment(**settings))
-    assert code == 0, output[-6000:]
-    assert trained_updates(save_dir) == (2, 2)
 
 
 @pytest.fixture(scope="module")
