@@ -98,7 +98,7 @@ def references(data_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(data_dir, tmp_path_factory) -> dict:
-    """2 ranks (EP 2: both setups, and the local-aux mistake), then one process resuming EP 2's
+    """2 ranks (EP 2: both setups; FSDP 2 without expert parallel; the local-aux mistake), then one process resuming EP 2's
     checkpoint for one update, then 4 ranks (EP 2 x FSDP 2, EP 2 x DDP 2, the wrong-group
     mistake, and EP 4 resuming the one process's checkpoint for one more update)."""
     root = tmp_path_factory.mktemp("expert_parallel")
@@ -106,6 +106,7 @@ def jobs(data_dir, tmp_path_factory) -> dict:
     two = Scenarios(2, [
         ("ep2-softmax", train, (args_for(data_dir, chain, "softmax", 2, "--ep-degree", "2"),)),
         ("ep2-sigmoid", train, (args_for(data_dir, root / "ep2-sigmoid", "sigmoid", 2, "--ep-degree", "2"),)),
+        ("fsdp2-softmax", train, (args_for(data_dir, root / "fsdp2", "softmax", 2, "--strategy", "fsdp"),)),
         ("local-aux", train, (args_for(data_dir, root / "local-aux", "softmax", 2, "--ep-degree", "2"), UPDATES,
                               statistics_over_local_batch)),
     ], timeout=600)
@@ -132,12 +133,13 @@ def max_difference(params: dict, reference: dict) -> float:
 
 
 @pytest.mark.parametrize("case, world_size, router", [
-    ("ep2-softmax", 2, "softmax"), ("ep2-sigmoid", 2, "sigmoid"),
+    ("ep2-softmax", 2, "softmax"), ("ep2-sigmoid", 2, "sigmoid"), ("fsdp2-softmax", 2, "softmax"),
     ("ep2-fsdp2-softmax", 4, "softmax"), ("ep2-ddp2-sigmoid", 4, "sigmoid"),
 ])
 def test_expert_parallel_trains_like_one_process(case, world_size, router, jobs, references):
     """EP 2 on 2 ranks, EP 2 x FSDP 2 and EP 2 x DDP 2 (whose experts' gradients are summed over
-    2 replicas; --check-replicas compares those copies bit for bit after every update) on 4."""
+    2 replicas; --check-replicas compares those copies bit for bit after every update) on 4; and
+    FSDP 2 without expert parallel, whose routing statistics are summed over its 2 ranks alone."""
     ranks = jobs[world_size][case]
     reference = references[router]
     assert_params_close(ranks[0]["params"], after_updates(reference), PARAM_ATOL)
