@@ -137,7 +137,9 @@ class MoEAttention(LlamaAttention):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+        # In float32, as the block's own norms see the float32 residual stream: under autocast the
+        # heads arrive in half precision, which RMSNorm's float32 weight cannot fuse with.
+        return self.q_norm(q.float()).type_as(q), self.k_norm(k.float()).type_as(k)
 
 
 class Router(nn.Module):

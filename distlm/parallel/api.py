@@ -91,7 +91,8 @@ def parallelize(
     if stages is not None:
         return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
     dtypes = MODE_DTYPES[options.precision]
-    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm)
+    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm,
+                                 compiled=options.compile_backend is not None)
     # Expert-parallel experts are reduced over their own group (ExpertGradients), never by the dense strategy.
     experts = expert_parameters(model) or None
     double_buffer = None
