@@ -294,7 +294,10 @@ class MoEFeedForward(nn.Module):
         """Global statistics of this micro-batch's real tokens; this rank's share of the
         auxiliary loss (None without one). See the module docstring."""
         real = self.real_tokens
-        if real is not None and len(real) == len(probs):
+        if real is not None:
+            if len(real) != len(probs):
+                raise RuntimeError(f"the MoE layer was told which of {len(real)} tokens are padding but routes "
+                                   f"{len(probs)}: its input is not the model's batch")
             experts, probs = experts[real], probs[real]
         with torch.no_grad():
             counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
