@@ -15,6 +15,7 @@ from distlm.errors import UsageError
 from distlm.memory import memory_report
 from distlm.models import LlamaConfig, RobertaConfig
 from distlm.models.flops import count_parameters
+from distlm.models.moe import MoEConfig, moe_parameter_counts
 from distlm.parallel.names import unwrap
 
 logger = logging.getLogger("distlm")
@@ -106,4 +107,19 @@ def describe_shape(config: LlamaConfig | RobertaConfig, vocabulary: Vocabulary |
         positions, tied = f"{config.max_positions} learned positions", ""
     source = f" ({vocabulary.source})" if vocabulary is not None else ""
     return (f"{config.n_layers} layers, width {config.dim}, {heads} heads, {kv_heads} KV heads, head size "
-            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}")
+            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}"
+            f"{describe_experts(config) if isinstance(config, MoEConfig) else ''}")
+
+
+def describe_experts(config: MoEConfig) -> str:
+    """The mixture of experts of an MoE model's shape line: experts, top-k, router, balancing,
+    and the parameters a token uses against those the model holds."""
+    total, active = moe_parameter_counts(config)
+    layers = ("every layer" if config.moe_every == 1
+              else f"one layer in {config.moe_every} ({config.n_moe_layers} of {config.n_layers})")
+    shared = f" + {config.n_shared_experts} shared" if config.n_shared_experts else ""
+    balance = [f"aux loss x {config.aux_loss_coef:g}"] if config.aux_loss_coef else []
+    balance += [f"bias update {config.bias_update_rate:g}"] if config.bias_update_rate else []
+    return (f"; mixture of experts in {layers}: {config.n_experts} experts{shared} of FFN {config.expert_ffn_dim}, "
+            f"top-{config.top_k} {config.router} router, dropless, balancing: {', '.join(balance) or 'none'}; "
+            f"{active:,} active of {total:,} parameters per token")

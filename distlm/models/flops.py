@@ -23,9 +23,10 @@ from torch import nn
 from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
-from distlm.models.registry import FAMILY_CONFIGS
+from distlm.models.moe import MoEConfig
 
-FAMILIES = tuple(FAMILY_CONFIGS)
+# The model_types of a Hugging Face config.json the planner reads (a mixture of experts' not yet).
+FAMILIES = ("llama", "roberta")
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -45,6 +46,18 @@ class ModelShape:
     """RoBERTa's learned position table has ``max_positions + padding_idx + 1`` rows (fairseq's offset)."""
     tied_output: bool = False
     """Whether the output projection is the token embedding (always for RoBERTa)."""
+    n_experts: int = 0
+    """Family ``qwen3_moe`` (Llama's blocks with a mixture of experts): routed experts per MoE layer."""
+    top_k: int = 0
+    """Experts each token uses in an MoE layer."""
+    moe_ffn_dim: int = 0
+    """Hidden size of each expert's SwiGLU."""
+    moe_every: int = 1
+    """Block i is an MoE block when (i + 1) is a multiple of this; the others are dense (``ffn_dim``)."""
+    n_shared_experts: int = 0
+    """Experts every token passes through besides its routed ones."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys (Qwen3)."""
 
     @property
     def attention_dim(self) -> int:
@@ -54,6 +67,15 @@ class ModelShape:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum((index + 1) % self.moe_every == 0 for index in range(self.n_layers)) if self.n_experts else 0
+
+    @property
+    def inactive_expert_parameters(self) -> int:
+        """Expert parameters a token does not use: all but its top-k of each MoE layer's experts."""
+        return self.n_moe_layers * (self.n_experts - self.top_k) * 3 * self.dim * self.moe_ffn_dim
 
 
 def default_vocab_size(arch: str) -> int:
@@ -77,7 +99,7 @@ def model_shape(model: object, vocab_size: int | None = None) -> ModelShape:
         shape = model
     elif isinstance(model, nn.Module):
         config = getattr(model, "config", None)
-        if not isinstance(config, (LlamaConfig, RobertaConfig)):
+        if not isinstance(config, (LlamaConfig, RobertaConfig)):  # MoEConfig is a LlamaConfig
             raise UsageError(f"{type(model).__name__} has no distlm LlamaConfig/RobertaConfig; pass a ModelShape")
         shape = _shape_of_config(config)
     elif isinstance(model, (LlamaConfig, RobertaConfig)):
@@ -106,6 +128,15 @@ def model_shape(model: object, vocab_size: int | None = None) -> ModelShape:
 
 
 def _shape_of_config(config: LlamaConfig | RobertaConfig) -> ModelShape:
+    if isinstance(config, MoEConfig):
+        return ModelShape(
+            family="qwen3_moe", dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
+            n_kv_heads=config.kv_heads, head_dim=config.head_dim, ffn_dim=config.ffn_hidden_dim,
+            vocab_size=config.vocab_size, max_positions=config.max_seq_len, padding_idx=config.padding_idx,
+            tied_output=config.tie_word_embeddings, n_experts=config.n_experts, top_k=config.top_k,
+            moe_ffn_dim=config.expert_ffn_dim, moe_every=config.moe_every, n_shared_experts=config.n_shared_experts,
+            qk_norm=config.qk_norm,
+        )
     if isinstance(config, LlamaConfig):
         return ModelShape(
             family="llama", dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
@@ -190,10 +221,13 @@ class ParameterGroups:
     output_projection: int
     """Parameters of the vocabulary projection (shared with ``embedding`` when tied)."""
     blocks: int
+    uneven_blocks: int = 0
+    """Parameters the blocks hold beyond ``blocks x per_block``: a mixture of experts whose
+    MoE blocks (``per_block``) alternate with smaller dense ones has a negative amount here."""
 
     @property
     def total(self) -> int:
-        return self.embedding + self.blocks * self.per_block + self.head
+        return self.embedding + self.blocks * self.per_block + self.uneven_blocks + self.head
 
 
 def parameter_groups(model: object) -> ParameterGroups:
@@ -201,11 +235,19 @@ def parameter_groups(model: object) -> ParameterGroups:
     s = model_shape(model)
     d, f, v = s.dim, s.ffn_dim, s.vocab_size
     output = v * d
-    if s.family == "llama":
+    if s.family in ("llama", "qwen3_moe"):
         attention = d * s.attention_dim + 2 * d * s.kv_dim + s.attention_dim * d
+        attention += 2 * s.head_dim if s.qk_norm else 0
         block = attention + 3 * d * f + 2 * d  # wq wk wv wo, w1 w2 w3, two RMSNorm weights
         head = d + (0 if s.tied_output else output)  # final norm, output
-        return ParameterGroups(embedding=v * d, per_block=block, head=head, output_projection=output, blocks=s.n_layers)
+        uneven = 0
+        if s.family == "qwen3_moe":
+            # The router, the stacked experts and the shared experts in place of w1 w2 w3.
+            dense, e = block, s.moe_ffn_dim
+            block = attention + s.n_experts * d + (s.n_experts + s.n_shared_experts) * 3 * d * e + 2 * d
+            uneven = (s.n_layers - s.n_moe_layers) * (dense - block)
+        return ParameterGroups(embedding=v * d, per_block=block, head=head, output_projection=output, blocks=s.n_layers,
+                               uneven_blocks=uneven)
     attention = 3 * (d * s.attention_dim + s.attention_dim) + s.attention_dim * d + d
     block = attention + 2 * d + (d * f + f) + (f * d + d) + 2 * d  # attention, 2 LayerNorms, fc1, fc2
     positions = (s.max_positions + s.padding_idx + 1) * d
@@ -221,6 +263,13 @@ def count_parameter_tensors(model: object) -> int:
     if s.family == "llama":
         # Token table; wq wk wv wo, w1 w2 w3 and two norms a block; final norm; the output unless tied.
         return 1 + 9 * s.n_layers + 1 + (0 if s.tied_output else 1)
+    if s.family == "qwen3_moe":
+        # As Llama's, plus the query/key norms; an MoE block's router, two stacked expert tensors
+        # and the shared experts' three in place of w1 w2 w3.
+        moe = s.n_moe_layers
+        per_block = 6 + (2 if s.qk_norm else 0)
+        return (2 + (0 if s.tied_output else 1) + per_block * s.n_layers + 3 * (s.n_layers - moe)
+                + moe * (3 + (3 if s.n_shared_experts else 0)))
     # Token and position tables and the embedding LayerNorm's two; per block the four attention
     # projections, fc1 and fc2 (weight and bias each) and two LayerNorms; the LM head's dense,
     # LayerNorm and output bias.
@@ -245,10 +294,18 @@ def matmul_parameters(model: object) -> int:
     return groups.total - lookups
 
 
+def active_matmul_parameters(model: object) -> int:
+    """``matmul_parameters`` a token multiplies: a mixture of experts' token uses its top-k
+    routed experts of each MoE layer, not all of them (the rest are the same as ``matmul_parameters``)."""
+    s = model_shape(model)
+    return matmul_parameters(s) - s.inactive_expert_parameters
+
+
 def flops_per_token(model_config_or_model: object, seq_len: int, output_fraction: float = 1.0) -> float:
     """Training FLOPs (forward + backward) per input token at sequence length ``seq_len``:
     ``6 x matmul parameters + 12 x layers x heads x head size x seq_len``, with no
-    activation recomputation.
+    activation recomputation. A mixture of experts counts its active parameters (a token's
+    top-k experts, ``active_matmul_parameters``), as torchtitan counts them.
 
     ``output_fraction``: the share of positions at which the model computes its output, 1
     for a causal LM (every position). A masked LM computes its LM head (RoBERTa's dense
@@ -260,7 +317,7 @@ def flops_per_token(model_config_or_model: object, seq_len: int, output_fraction
     if not 0.0 <= output_fraction <= 1.0:
         raise UsageError(f"the fraction of positions with an output must be in [0, 1], got {output_fraction}")
     s = model_shape(model_config_or_model)
-    matmuls = matmul_parameters(s)
+    matmuls = active_matmul_parameters(s)
     output = output_head_parameters(s)
     return 6.0 * (matmuls - output + output_fraction * output) + attention_flops_per_pair(s) * seq_len
 

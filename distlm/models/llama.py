@@ -292,6 +292,7 @@ class LlamaAttention(nn.Module):
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = self.norm_qk(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Query heads per key/value head, from the shapes: tensor parallelism changes the
         # heads a rank holds, and past the key/value heads also their ratio.
@@ -308,6 +309,11 @@ class LlamaAttention(nn.Module):
             attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[B, T, H, D]`` before the rotary embedding: as they are in Llama;
+        a family with per-head query/key norms (Qwen3) overrides this."""
+        return q, k
 
 
 class LlamaFeedForward(nn.Module):
@@ -394,7 +400,7 @@ class LlamaCausalLM(TransformerLM):
         target_device = torch.get_default_device()
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-            self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layers))
+            self.layers = nn.ModuleList(self.build_block(config, index) for index in range(config.n_layers))
             self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
             # A tied projection is tok_embeddings.weight, passed at call time rather than
             # registered twice: a second registration would be split apart by to_empty
@@ -410,6 +416,11 @@ class LlamaCausalLM(TransformerLM):
                 "rope_sin", torch.empty(config.max_seq_len, half, dtype=torch.float32), persistent=False
             )
         self.materialise_unless_meta(target_device)
+
+    def build_block(self, config: LlamaConfig, index: int) -> nn.Module:
+        """Block ``index`` of the model, built on the meta device (a family built on Llama's
+        blocks, such as mixture-of-experts, overrides this)."""
+        return LlamaBlock(config)
 
     @property
     def max_positions(self) -> int:

@@ -10,12 +10,13 @@ from torch import nn
 
 from distlm.errors import UsageError
 from distlm.models.llama import LlamaCausalLM, LlamaConfig
+from distlm.models.moe import MoECausalLM, MoEConfig
 from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
 
 # arch name -> (model class, config). A published arch carries its published vocabulary
 # size, so it builds with no data; the tiny ones leave vocab_size at 0: it comes from
 # the data at build time. Every build may override both (build_model's arguments).
-ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
+ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig | MoEConfig]] = {
     # Small enough (~1.8M parameters without the embedding) to train on one CPU core.
     "roberta_tiny": (
         RobertaMaskedLM,
@@ -74,6 +75,27 @@ ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig]] = {
             vocab_size=128256,
         ),
     ),
+    # Mixture of experts: Qwen3-MoE's layout (query/key norms), 8 experts of which each token
+    # uses 2, every layer; small enough for a CPU core.
+    "qwen3_moe_tiny": (
+        MoECausalLM,
+        MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, n_experts=8, top_k=2, moe_ffn_dim=32,
+                  qk_norm=True, max_seq_len=2048),
+    ),
+    # Shapes of the published models, from their config.json (Hugging Face's names in brackets):
+    # the experts' hidden size (moe_intermediate_size; Mixtral's intermediate_size), the
+    # router's aux-loss coefficient (router_aux_loss_coef).
+    "mixtral_8x7b": (
+        MoECausalLM,
+        MoEConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, n_experts=8, top_k=2,
+                  moe_ffn_dim=14336, aux_loss_coef=0.02, rope_theta=1e6, max_seq_len=32768, vocab_size=32000),
+    ),
+    "qwen3_moe_30b_a3b": (
+        MoECausalLM,
+        MoEConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, ffn_dim=6144, n_experts=128,
+                  top_k=8, moe_ffn_dim=768, aux_loss_coef=0.001, qk_norm=True, norm_eps=1e-6, rope_theta=1e6,
+                  max_seq_len=40960, vocab_size=151936),
+    ),
 }
 
 # fairseq's own archs: trained from scratch, their learned positions follow
@@ -84,22 +106,26 @@ POSITIONS_FROM_SAMPLES = ("roberta_base", "roberta_large")
 _BUILD_ARGUMENTS = ("vocab_size", "padding_idx")
 
 
-def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig]:
+def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig | MoEConfig]:
     if arch not in ARCHS:
         raise UsageError(f"--arch {arch} is unknown; choose one of: {', '.join(ARCHS)}")
     return ARCHS[arch]
 
 
-FAMILIES: dict[type[nn.Module], str] = {RobertaMaskedLM: "roberta", LlamaCausalLM: "llama"}
+FAMILIES: dict[type[nn.Module], str] = {RobertaMaskedLM: "roberta", LlamaCausalLM: "llama",
+                                        MoECausalLM: "qwen3_moe"}
 """Model class -> the family name that fairseq's architecture flags and Hugging Face's model_type use:
 the one table of model families."""
 
 FAMILY_CONFIGS: dict[str, type] = {FAMILIES[model_class]: type(config) for model_class, config in ARCHS.values()}
 """Family name -> its config class (what a checkpoint's ``model_config`` is read into)."""
 
+FAMILY_MODELS: dict[str, type[nn.Module]] = {family: model_class for model_class, family in FAMILIES.items()}
+"""Family name -> its model class (what a checkpoint's ``model_config`` builds)."""
+
 
 def arch_family(arch: str) -> str:
-    """``"roberta"`` or ``"llama"``."""
+    """``"roberta"``, ``"llama"`` or ``"qwen3_moe"``."""
     return FAMILIES[_lookup(arch)[0]]
 
 

@@ -1,7 +1,8 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
 The order is: pipeline stages (cut from the model's blocks, parallel/pipeline.py), tensor parallel, then compilation of each block, then activation
-checkpointing around the compiled blocks, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
+checkpointing around the compiled blocks, then a mixture of experts' routing pieces and expert parallel (parallel/expert.py),
+then FSDP or DDP with its communication hook (``replicate`` when the parameters hold DTensors: tensor or expert parallel).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
 code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
 under tensor parallel) plus a sharded optimizer, which the returned handle builds.
@@ -18,17 +19,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from distlm.backends.base import probe_grouped_mm
 from distlm.compile import apply_compile
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
 from distlm.parallel.ddp import apply_ddp, build_comm_hook
+from distlm.parallel.expert import apply_moe, expert_parameters
 from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
 from distlm.parallel.full_state import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
 from distlm.parallel.pipeline import PipelineOptions, cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
+from distlm.precision import MODE_DTYPES
 
 logger = logging.getLogger("distlm")
 
@@ -56,6 +60,8 @@ class ParallelOptions:
     """foreach value of gradient clipping: None where the device has no foreach kernels (XLA)."""
     pipeline: PipelineOptions = PipelineOptions()
     """Schedule, micro-batches, stages per rank and split, used when the layout has pp > 1."""
+    grouped_mm: Callable[[torch.device, torch.dtype], tuple[bool, str]] = probe_grouped_mm
+    """The backend's verdict on torch._grouped_mm for a mixture of experts (device, compute dtype) -> (runs, why)."""
 
 
 def parallelize(
@@ -84,6 +90,11 @@ def parallelize(
     model = apply_layer_transforms(model, dims, mesh, options)
     if stages is not None:
         return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
+    dtypes = MODE_DTYPES[options.precision]
+    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm,
+                                 compiled=options.compile_backend is not None)
+    # Expert-parallel experts are reduced over their own group (ExpertGradients), never by the dense strategy.
+    experts = expert_parameters(model) or None
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
@@ -91,12 +102,14 @@ def parallelize(
     elif fsdp:
         param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
         model = apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           cpu_offload=options.cpu_offload)
+                           cpu_offload=options.cpu_offload, ignored_params=experts)
         logger.info("applied FSDP2 over %d data-parallel ranks (per block and root)", dims.dp)
-    elif dims.dp_enabled and dims.tp_enabled:
+    elif dims.dp_enabled and (dims.tp_enabled or dims.ep_enabled):
         # torch DDP cannot hold DTensor parameters; replicate (FSDP2's all-reduce twin)
         # averages the tensor-parallel shards' gradients over the dp group as DDP would.
-        model = apply_replicate(model, mesh["dp"])
+        # Beside expert-parallel DTensors torch DDP fails in backward even when told to
+        # ignore them, so the dense parameters take replicate there too.
+        model = apply_replicate(model, mesh["dp"], ignored_params=experts)
     elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
         hook, double_buffer = build_comm_hook(
             options.comm_hook, options.comm_transport, options.double_buffering, dims.dp_group(device.type),
@@ -127,6 +140,7 @@ def parallelize(
         mixed_precision_by_strategy=fsdp and fsdp_dtypes(options.precision)[0] is not None,
         sync_bucket_mb=options.bucket_cap_mb,
         foreach_clip=options.foreach_clip,
+        expert_gradients=expert_gradients,
     )
     return model, handle
 

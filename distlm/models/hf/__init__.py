@@ -56,7 +56,9 @@ def adapter_for_hf(hf_config: dict[str, Any]) -> HFAdapter:
 def adapter_for(config: object) -> HFAdapter:
     """The adapter for a distlm model config."""
     for adapter in ADAPTERS.values():
-        if isinstance(config, adapter.config_class):
+        # The exact class: a mixture of experts' config is a LlamaConfig too, and Llama's
+        # layout would drop its experts.
+        if type(config) is adapter.config_class:
             return adapter
     raise UsageError(f"a {type(config).__name__} has no Hugging Face adapter; distlm exports Llama and RoBERTa models")
 
