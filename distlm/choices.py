@@ -88,6 +88,10 @@ BEST_CHECKPOINT_METRICS = ("loss", "ppl")
 ROPE_SCALINGS = ("none", "llama3")
 """``--rope-scaling``: plain rotary frequencies, or Llama 3.1's scaling (the model's rope_type llama3)."""
 
+MOE_ROUTERS = ("softmax", "sigmoid")
+"""``--moe-router``: softmax over the experts with the top-k weights renormalised (Qwen3-MoE,
+Mixtral), or sigmoid scores chosen with a balancing bias (DeepSeek-V3)."""
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "sample_break_mode": SAMPLE_BREAK_MODES,
@@ -103,5 +107,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_format": LOG_FORMATS,
     "best_checkpoint_metric": BEST_CHECKPOINT_METRICS,
     "rope_scaling": ROPE_SCALINGS,
+    "moe_router": MOE_ROUTERS,
 }
 """Config field name -> its allowed values."""

@@ -90,6 +90,25 @@ class ModelConfig:
     """Rows of the token embedding; at least the data's dictionary, the extra rows unused. Default: the data's
     dictionary (dict.txt + <mask> for masked LM, as fairseq), or the published vocabulary with --init-from-hf or
     with data tokenized by a Hugging Face tokenizer that fits it."""
+    num_experts: int | None = None
+    """Mixture of experts: routed experts in each MoE layer; default: the arch's own."""
+    moe_top_k: int | None = None
+    """Mixture of experts: experts each token is routed to; default: the arch's own."""
+    moe_ffn_dim: int | None = None
+    """Mixture of experts: hidden size of each expert's SwiGLU; default: the arch's own."""
+    moe_every: int | None = None
+    """Mixture of experts: block i is an MoE block when i + 1 is a multiple of this, the others dense;
+    default: the arch's own (1: every block)."""
+    moe_shared_experts: int | None = None
+    """Mixture of experts: experts every token passes through besides its routed ones; default: the arch's own."""
+    moe_router: str | None = None
+    """Mixture of experts: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3) router; default: the arch's own."""
+    moe_aux_loss_coef: float | None = None
+    """Mixture of experts: coefficient of the load-balancing loss (Switch/Mixtral form), 0 for none;
+    default: the arch's own."""
+    moe_bias_update_rate: float | None = None
+    """Mixture of experts: auxiliary-loss-free balancing, each expert's selection bias moves by this after
+    every update towards an even load (DeepSeek-V3: 0.001), 0 for none; default: the arch's own."""
     pad_vocab_to_multiple: int = 1
     """Round the vocabulary up to a multiple of this (8 or 64 can speed the output projection); 1 keeps
     fairseq's exact size and parameter count."""
@@ -257,6 +276,9 @@ class DistributedConfig:
     """Data-parallel degree; default (-1): whatever --tp-degree and --pp-degree leave of the world size."""
     pp_degree: int = 1
     """Pipeline-parallel degree: ranks that each hold a stage (a run of blocks) of the model."""
+    ep_degree: int = 1
+    """Expert-parallel degree: ranks, carved out of the data-parallel ones, that split each MoE layer's
+    experts between them; tokens travel to their experts' ranks and back (all-to-all)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv (the last three want --pp-stages-per-rank 2+)."""
     pp_microbatches: int = 0
@@ -446,17 +468,28 @@ ARCH_FLAGS: dict[str, tuple[str, str]] = {
     "rope_high_freq_factor": ("llama", "rope_high_freq_factor"),
     "rope_original_max_seq_len": ("llama", "rope_original_max_seq_len"),
     "tie_word_embeddings": ("llama", "tie_word_embeddings"),
+    "num_experts": ("qwen3_moe", "n_experts"),
+    "moe_top_k": ("qwen3_moe", "top_k"),
+    "moe_ffn_dim": ("qwen3_moe", "moe_ffn_dim"),
+    "moe_every": ("qwen3_moe", "moe_every"),
+    "moe_shared_experts": ("qwen3_moe", "n_shared_experts"),
+    "moe_router": ("qwen3_moe", "router"),
+    "moe_aux_loss_coef": ("qwen3_moe", "aux_loss_coef"),
+    "moe_bias_update_rate": ("qwen3_moe", "bias_update_rate"),
 }
+# Families built on another family's blocks take that family's flags too.
+FLAG_FAMILIES: dict[str, tuple[str, ...]] = {"qwen3_moe": ("qwen3_moe", "llama")}
 # --rope-scaling's names (choices.ROPE_SCALINGS) for the model's rope_type.
 ROPE_SCALING_TYPES = {"none": "default", "llama3": "llama3"}
 # The arch flags whose command-line names differ from their config field's values: flag -> name -> value.
 ARCH_FLAG_VALUES: dict[str, dict[str, Any]] = {"rope_scaling": ROPE_SCALING_TYPES}
 # Settings every arch has, under the config field of each family.
 SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
-    "dropout": {"roberta": "dropout", "llama": "dropout"},
-    "attention_dropout": {"roberta": "attention_dropout", "llama": "attention_dropout"},
-    "max_positions": {"roberta": "max_positions", "llama": "max_seq_len"},
-    "norm_eps": {"roberta": "layer_norm_eps", "llama": "norm_eps"},
+    "dropout": {"roberta": "dropout", "llama": "dropout", "qwen3_moe": "dropout"},
+    "attention_dropout": {"roberta": "attention_dropout", "llama": "attention_dropout",
+                          "qwen3_moe": "attention_dropout"},
+    "max_positions": {"roberta": "max_positions", "llama": "max_seq_len", "qwen3_moe": "max_seq_len"},
+    "norm_eps": {"roberta": "layer_norm_eps", "llama": "norm_eps", "qwen3_moe": "norm_eps"},
 }
 
 # Allowed ranges: (lowest, highest, lowest allowed, highest allowed); None: unbounded.
@@ -488,6 +521,9 @@ BOUNDS: dict[str, tuple] = {
     "head_dim": _WIDTH, "multiple_of": _WIDTH, "ffn_dim_multiplier": _POSITIVE, "norm_eps": _POSITIVE,
     "rope_theta": _POSITIVE, "rope_factor": _POSITIVE, "rope_low_freq_factor": _POSITIVE,
     "rope_high_freq_factor": _POSITIVE, "rope_original_max_seq_len": _AT_LEAST_1,
+    "num_experts": (1, 2**16, True, True), "moe_top_k": _AT_LEAST_1, "moe_ffn_dim": _WIDTH, "moe_every": _LAYERS,
+    "moe_shared_experts": (0, 2**16, True, True), "moe_aux_loss_coef": _NOT_NEGATIVE,
+    "moe_bias_update_rate": _NOT_NEGATIVE, "ep_degree": _AT_LEAST_1,
     "vocab_size": (1, 2**24, True, True), "pad_vocab_to_multiple": (1, 2**16, True, True),
     "max_update": _NOT_NEGATIVE, "max_epoch": _NOT_NEGATIVE, "warmup_updates": _NOT_NEGATIVE,
     "save_interval_updates": _NOT_NEGATIVE, "validate_interval_updates": _NOT_NEGATIVE,
@@ -723,8 +759,8 @@ def _apply_criterion(config: TrainConfig, criterion: str) -> None:
 def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
     """The model settings given on the command line, as overrides of an arch's config fields.
 
-    ``family`` is ``"roberta"`` or ``"llama"``; a flag of the other family is an error
-    naming both.
+    ``family`` is ``"roberta"``, ``"llama"`` or ``"qwen3_moe"`` (which takes Llama's flags
+    too); a flag of another family is an error naming both.
     """
     overrides = {}
     for name, fields in SHARED_ARCH_FLAGS.items():
@@ -735,14 +771,14 @@ def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
         value = getattr(model, name)
         if value is None:
             continue
-        if flag_family != family:
+        if flag_family not in FLAG_FAMILIES.get(family, (family,)):
             verb = "sizes" if name.startswith(("encoder_", "decoder_")) else "belongs to"
             raise UsageError(
                 f"--{name.replace('_', '-')} {verb} a {flag_family} model, but --arch {model.arch} is a {family} "
-                f"model; drop it or use the --{'decoder' if family == 'llama' else 'encoder'}-* flags"
+                f"model; drop it or use the --{'encoder' if family == 'roberta' else 'decoder'}-* flags"
             )
         overrides[field_name] = ARCH_FLAG_VALUES[name][value] if name in ARCH_FLAG_VALUES else value
-    if family == "llama" and model.decoder_attention_heads is not None and model.kv_heads is None:
+    if family != "roberta" and model.decoder_attention_heads is not None and model.kv_heads is None:
         # New query heads without --kv-heads: one key/value head per query head, never the
         # arch's old grouping silently kept.
         overrides["n_kv_heads"] = model.decoder_attention_heads

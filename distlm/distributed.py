@@ -90,7 +90,8 @@ class DistContext:
 
     @property
     def layout(self) -> dict[str, int]:
-        return {"dp": self.dims.dp, "tp": self.dims.tp, **({"pp": self.dims.pp} if self.dims.pp_enabled else {})}
+        return {"dp": self.dims.dp, "tp": self.dims.tp, **({"pp": self.dims.pp} if self.dims.pp_enabled else {}),
+                **({"ep": self.dims.ep} if self.dims.ep_enabled else {})}
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order (collective over the world)."""
@@ -218,6 +219,7 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
         node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
         compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
         foreach_clip=ctx.backend.foreach_clip, pipeline=pipeline_options(settings),
+        grouped_mm=ctx.backend.grouped_mm,
     )
 
 

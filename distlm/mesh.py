@@ -31,9 +31,13 @@ class ParallelDims:
     strategy: str = "ddp"
     """How the data-parallel axis holds the model: ddp (replicas), zero1 (replicas,
     sharded optimizer state) or fsdp (everything sharded)."""
+    ep: int = 1
+    """Expert parallel: groups of ``ep`` consecutive data-parallel ranks split each MoE layer's
+    experts; the ranks at one place in their groups (``ep_replicas`` of them) hold the same experts."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
     """Each mesh dimension's group, sliced once: a slice builds a new DeviceMesh every time."""
+    _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -54,6 +58,11 @@ class ParallelDims:
                 f"{pp}--dp-degree {self.dp} x --tp-degree {self.tp} = {self.pp * self.dp * self.tp}, "
                 f"but the world size is {self.world_size}; make the product equal the number of ranks"
             )
+        if self.ep < 1:
+            raise UsageError(f"--ep-degree must be at least 1, got {self.ep}")
+        if self.dp % self.ep:
+            raise UsageError(f"--ep-degree {self.ep} does not divide the {self.dp} data-parallel ranks it is carved "
+                             "out of; choose a divisor of the data-parallel degree")
 
     @property
     def dp_enabled(self) -> bool:
@@ -66,6 +75,15 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def ep_replicas(self) -> int:
+        """Data-parallel ranks holding each expert: one per expert-parallel group."""
+        return self.dp // self.ep
 
     @property
     def replicas_share_parameters(self) -> bool:
@@ -116,6 +134,19 @@ class ParallelDims:
         if not self.tp_enabled:
             return None
         return self._group(self.build_mesh(device_type), "tp")
+
+    def ep_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The ("ep_replica", "ep") mesh over the data-parallel ranks: "ep" groups ``ep``
+        consecutive ranks (neighbours, as tensor parallel's are), which split the experts;
+        "ep_replica" the ranks holding the same experts. None without expert parallel.
+        Expert parallel runs on a data-parallel world (no tensor or pipeline parallel), so the
+        data-parallel ranks are all the ranks."""
+        if not self.ep_enabled:
+            return None
+        if self._ep_mesh is None:
+            self._ep_mesh = init_device_mesh(device_type, (self.ep_replicas, self.ep),
+                                             mesh_dim_names=("ep_replica", "ep"))
+        return self._ep_mesh
 
     def _group(self, mesh: DeviceMesh, name: str) -> dist.ProcessGroup:
         if name not in self._groups:

@@ -20,6 +20,7 @@ from distlm.data.batches import to_device
 from distlm.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.memory import memory_report
 from distlm.metrics import significant
+from distlm.models.moe import finish_update, set_aux_loss_weight
 from distlm.parallel.tp import local_value
 
 logger = logging.getLogger("distlm")
@@ -49,6 +50,9 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     # A device tensor, so nothing waits for the count to reach the host.
     factor = (ctx.dims.dp * loss_scale / global_targets.clamp(min=1)).float()
     gradient_loss_scale = handle.gradient_loss_scale(loss_scale)
+    # A mixture of experts' auxiliary loss takes the weight the mean cross-entropy gets,
+    # averaged over the micro-batches (distlm/models/moe.py); a dense model has none.
+    set_aux_loss_weight(trainer.model, float(ctx.dims.dp * loss_scale / len(tensors)))
 
     trainer.model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -93,6 +97,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
             with trainer._autocast(), handle.loss_context():
                 place = locate_nonfinite(trainer.model, tensors, trainer.compute_loss, factor, ctx.all_gather_object)
             raise DivergenceError(f"update {update}: {err}; first non-finite: {place}") from None
+    routing = finish_update(trainer.model, applied)  # a mixture of experts' statistics, its bias step
     progress.consumed_samples += trainer.sampler.samples_in_update(progress.consumed_samples)  # before _done(), which --max-epoch reads
     if trainer._done() or progress.num_updates % trainer.config.logging.log_interval == 0:
         # Measured while gradients still exist: zero_grad below frees them.
@@ -107,6 +112,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         "samples": sum(len(b["input_ids"]) for b in micro_batches),
         "batch_tokens": sum(b["input_ids"].numel() for b in micro_batches),
         "lr": significant(lr), "gnorm": gnorm_value, "applied": applied,
+        **{name: significant(value) if isinstance(value, float) else value for name, value in routing.items()},
     }
     if precision.scaler is not None:
         record["loss_scale"] = precision.loss_scale

@@ -22,6 +22,7 @@ from distlm.env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims, validate_ranks_per_node
 from distlm.models.contract import check_model
+from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
 from distlm.parallel.tp import validate_tp
@@ -52,7 +53,7 @@ def validate_run(
     check_settings(config)
     settings = config.distributed
     dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, pp=settings.pp_degree,
-                        strategy=settings.strategy)
+                        strategy=settings.strategy, ep=settings.ep_degree)
     check_strategy_options(config, dims)
     if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is None:
         # Grouping ranks by node on a guess would reduce across the network where the
@@ -119,10 +120,27 @@ def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
             "--comm-hook/--double-buffering/--comm-transport are DDP communication hooks, and DDP cannot hold "
             "tensor-parallel parameters; drop them or use --tp-degree 1"
         )
+    if dims.ep_enabled:
+        check_expert_parallel_options(config, dims)
     if settings.sequence_parallel and not dims.tp_enabled:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
     if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is not None:
         validate_ranks_per_node(settings.ranks_per_node, dims.world_size)
+
+
+def check_expert_parallel_options(config: TrainConfig, dims: ParallelDims) -> None:
+    """What --ep-degree cannot be combined with: the dense parameters take FSDP or FSDP2's
+    ``replicate`` beside the experts' DTensors (distlm/parallel/expert.py)."""
+    settings = config.distributed
+    if settings.strategy == "zero1":
+        raise UsageError(f"--ep-degree {dims.ep} with --strategy zero1 is not offered: torch's ZeroRedundancyOptimizer "
+                         "cannot hold the experts' DTensor parameters; use --strategy ddp or fsdp")
+    if settings.comm_hook != "allreduce" or settings.double_buffering or settings.comm_transport != "torch":
+        raise UsageError(f"--comm-hook/--double-buffering/--comm-transport are DDP communication hooks, and with "
+                         f"--ep-degree {dims.ep} the dense parameters are not in torch DDP; drop them")
+    if settings.cpu_offload:
+        raise UsageError(f"--cpu-offload with --ep-degree {dims.ep} is not offered: FSDP would offload the dense "
+                         "parameters and leave the experts on the device; drop one")
 
 
 def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, arch: str | None = None) -> None:
@@ -136,6 +154,7 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
         )
     if config.data.document_mask:
         check_document_mask(model, config, dims, name)
+    check_expert_parallel(model, dims, name)
     if dims.tp_enabled:
         validate_tp(
             model, dims.tp, sequence_parallel=config.distributed.sequence_parallel,

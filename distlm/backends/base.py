@@ -124,6 +124,23 @@ def describe_init_failure(
     return DistributedInitError(f"{where} could not set up {stage}: {cause}")
 
 
+def probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether ``torch._grouped_mm`` runs forward and backward on ``device`` in ``dtype``, and why (or why not)."""
+    where = f"{device.type} in {str(dtype).removeprefix('torch.')}"
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._grouped_mm"
+    try:
+        x = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([3, 8], dtype=torch.int32, device=device))
+        # A gradient of its own: an expanded one (stride 0) fails the CPU backward in torch 2.13,
+        # which the experts never receive (theirs comes out of the routing weights' product).
+        y.backward(torch.ones(y.shape, device=device, dtype=dtype))
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        return False, f"torch._grouped_mm fails on {where} ({first_line(err)})"
+    return True, f"torch._grouped_mm runs on {where}, forward and backward"
+
+
 class Backend:
     """One kind of hardware. Subclasses set ``name``, ``dist_backend`` and ``autocast_device_type``."""
 
@@ -194,6 +211,14 @@ class Backend:
             f"{self.dist_backend} process group as rank {rank} of {world_size}: the {self.name} runtime "
             "does not see the other processes of this job"
         )
+
+    def grouped_mm(self, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+        """Whether a mixture of experts runs its experts as one ``torch._grouped_mm`` here in
+        ``dtype`` (else a loop over experts), and why: the kernel exists for some devices and
+        dtypes only, so it is tried once, forward and backward, on a tiny problem."""
+        if self.static_shapes:
+            return False, f"a traced {self.name} device compiles the loop's per-expert shapes, not the grouped kernel"
+        return probe_grouped_mm(device, dtype)
 
     def mark_step(self) -> None:
         """End of a traced step; only lazy (XLA) devices need one."""

@@ -17,7 +17,9 @@ mixture of ``n_experts`` SwiGLU experts, of which each token uses ``top_k``:
 The statistics the balancing uses, and the log reports, are those of the global batch,
 as one process training on it would compute them. How: each MoE layer's forward in
 training counts, for the micro-batch it sees, the tokens routed to each expert and the
-router probabilities summed per expert, then sums them over the data-parallel ranks
+router probabilities summed per expert, over its real tokens only (padding is routed
+like any token but not counted, since how much of it a batch holds depends on how the
+global batch is split over ranks), then sums them over the data-parallel ranks
 with ``reduce_statistics`` (installed from outside by distlm/parallel/expert.py; none
 in one process), all in one tensor. Of the auxiliary loss
 ``coef * E * sum_i f_i * P_i`` (``f_i``: share of the global micro-batch's token
@@ -46,12 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlm.choices import MOE_ROUTERS
 from distlm.errors import UsageError
 from distlm.models.llama import LlamaAttention, LlamaBlock, LlamaCausalLM, LlamaConfig, LlamaFeedForward
 
-ROUTERS = ("softmax", "sigmoid")
-"""Router kinds: softmax over experts, top-k renormalised (Qwen3-MoE, Mixtral); sigmoid
-scores with a selection bias (DeepSeek-V3)."""
+ROUTERS = MOE_ROUTERS
 
 
 @dataclass
@@ -251,6 +252,10 @@ class MoEFeedForward(nn.Module):
         self.dispatch: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor] | None = None
         self.reduce_statistics: Callable[[torch.Tensor], Any] | None = None
         self.aux_loss_weight = 1.0
+        self.real_tokens: torch.Tensor | None = None
+        """Which tokens of the coming forward are not padding (boolean, flattened), set by the
+        model's forward; None: all are. Kept until the next forward, which activation
+        checkpointing's recomputation must see alike."""
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
@@ -267,7 +272,7 @@ class MoEFeedForward(nn.Module):
         weights, experts, probs = self.gate(x)
         assignments = experts.flatten()
         counts = torch.bincount(assignments, minlength=self.n_experts)
-        aux = self._balance(counts, probs) if self.training else None
+        aux = self._balance(experts, probs) if self.training else None
         # Each token once per chosen expert, sorted by expert (stable: token order kept within one).
         order = assignments.argsort(stable=True)
         routed = x[order // self.top_k]
@@ -283,14 +288,19 @@ class MoEFeedForward(nn.Module):
             y = _AuxLossGradient.apply(y, aux, self.aux_loss_weight)
         return y.view(shape)
 
-    def _balance(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
-        """Global statistics of this micro-batch; this rank's share of the auxiliary loss
-        (None without one). See the module docstring."""
+    def _balance(self, experts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor | None:
+        """Global statistics of this micro-batch's real tokens; this rank's share of the
+        auxiliary loss (None without one). See the module docstring."""
+        real = self.real_tokens
+        if real is not None and len(real) == len(probs):
+            experts, probs = experts[real], probs[real]
         with torch.no_grad():
+            counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
             stats = torch.cat([counts.double(), probs.sum(dim=0).double(), counts.new_tensor([len(probs)]).double()])
             if self.reduce_statistics is not None:
                 self.reduce_statistics(stats)
-            global_counts, global_probs, tokens = stats[:self.n_experts], stats[self.n_experts:-1], stats[-1]
+            global_counts, global_probs = stats[:self.n_experts], stats[self.n_experts:-1]
+            tokens = stats[-1].clamp(min=1)  # a micro-batch of padding alone
             share = global_counts / (tokens * self.top_k)
             if not _recomputing():
                 aux_value = self.aux_loss_coef * self.n_experts * (share * global_probs / tokens).sum()
@@ -340,6 +350,14 @@ class MoECausalLM(LlamaCausalLM):
 
     def build_block(self, config: MoEConfig, index: int) -> nn.Module:
         return MoEBlock(config, index)
+
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Llama's forward; the MoE layers learn which tokens are padding (the data's padding id,
+        which the trainer counts as no input token either), to leave them out of their statistics."""
+        real = input_ids.ne(self.config.padding_idx).flatten()
+        for layer in moe_layers(self):
+            layer.real_tokens = real
+        return super().forward(input_ids, document_ids)
 
     @torch.no_grad()
     def init_weights(self) -> None:

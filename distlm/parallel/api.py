@@ -13,6 +13,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from distlm.backends.base import probe_grouped_mm
+from distlm.parallel.expert import apply_moe, expert_parameters
+from distlm.precision import MODE_DTYPES
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,6 +60,8 @@ class ParallelOptions:
     """foreach value of gradient clipping: None where the device has no foreach kernels (XLA)."""
     pipeline: PipelineOptions = PipelineOptions()
     """Schedule, micro-batches, stages per rank and split, used when the layout has pp > 1."""
+    grouped_mm: Callable[[torch.device, torch.dtype], tuple[bool, str]] = probe_grouped_mm
+    """The backend's verdict on torch._grouped_mm for a mixture of experts (device, compute dtype) -> (runs, why)."""
 
 
 def parallelize(
@@ -84,6 +90,10 @@ def parallelize(
     model = apply_layer_transforms(model, dims, mesh, options)
     if stages is not None:
         return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
+    dtypes = MODE_DTYPES[options.precision]
+    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm)
+    # Expert-parallel experts are reduced over their own group (ExpertGradients), never by the dense strategy.
+    experts = expert_parameters(model) or None
     double_buffer = None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     if dims.strategy == "fsdp" and not dims.dp_enabled:
@@ -91,12 +101,14 @@ def parallelize(
     elif fsdp:
         param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
         model = apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           cpu_offload=options.cpu_offload)
+                           cpu_offload=options.cpu_offload, ignored_params=experts)
         logger.info("applied FSDP2 over %d data-parallel ranks (per block and root)", dims.dp)
-    elif dims.dp_enabled and dims.tp_enabled:
+    elif dims.dp_enabled and (dims.tp_enabled or dims.ep_enabled):
         # torch DDP cannot hold DTensor parameters; replicate (FSDP2's all-reduce twin)
         # averages the tensor-parallel shards' gradients over the dp group as DDP would.
-        model = apply_replicate(model, mesh["dp"])
+        # Beside expert-parallel DTensors torch DDP fails in backward even when told to
+        # ignore them, so the dense parameters take replicate there too.
+        model = apply_replicate(model, mesh["dp"], ignored_params=experts)
     elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
         hook, double_buffer = build_comm_hook(
             options.comm_hook, options.comm_transport, options.double_buffering, dims.dp_group(device.type),
@@ -126,6 +138,7 @@ def parallelize(
         mixed_precision_by_strategy=fsdp and fsdp_dtypes(options.precision)[0] is not None,
         sync_bucket_mb=options.bucket_cap_mb,
         foreach_clip=options.foreach_clip,
+        expert_gradients=expert_gradients,
     )
     return model, handle
 

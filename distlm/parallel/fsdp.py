@@ -66,12 +66,14 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``dp_mesh`` and return it.
 
     ``model.blocks`` (a ModuleList) gives the FSDP units. Parameters may
     already be DTensors on a tensor-parallel mesh (2-D FSDP + TP): FSDP2 then shards
-    them further over ``dp_mesh``, which must be a sibling of that mesh.
+    them further over ``dp_mesh``, which must be a sibling of that mesh. ``ignored_params``
+    (expert parallelism's experts) are left alone: neither sharded nor reduced.
     """
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_fsdp wants the 1-D data-parallel mesh, got a {dp_mesh.ndim}-D mesh")
@@ -94,10 +96,11 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and not last,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
+            ignored_params=ignored_params,
         )
     # The root keeps its parameters after forward (FSDP2's default for the root):
     # the LM head's backward needs them first.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params)
     # FSDP2 warns when the root returns a view (F.linear on [B, T, D] returns the logits
     # as one), because an in-place op on it would skip the pre-backward hook. The
     # trainer only reads the logits out of place, so the warning is noise on every rank.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ class DataParallelHandle:
     sync_bucket_mb: float = 25.0
     foreach_clip: bool | None = True
     """foreach value of the clipping kernels: None where the device has no foreach kernels (XLA)."""
+    expert_gradients: Any = None
+    """Expert parallel: reduces the experts' gradients over the ranks holding the same experts
+    (``distlm.parallel.expert.ExpertGradients``), which the dense strategy leaves out."""
     _inflight_loss_scale: float = field(default=1.0, init=False)
 
     # ------------------------------------------------------------------ backward
@@ -93,6 +96,8 @@ class DataParallelHandle:
     def unscale_and_clip_(self, loss_scale: float, max_norm: float) -> torch.Tensor:
         """Divide the gradients by the loss scale they were made with, then clip them to
         ``max_norm``; returns the global gradient norm (a device tensor)."""
+        if self.expert_gradients is not None:
+            self.expert_gradients.reduce()
         if loss_scale != 1.0:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             with self.mixed_placements():
@@ -103,7 +108,7 @@ class DataParallelHandle:
         """Global gradient norm over every layout, clipped to ``max_norm`` (inf: no clipping)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         with self.mixed_placements():
-            if self.dims.tp_enabled:
+            if self.dims.tp_enabled or self.dims.ep_enabled:
                 # Groups gradients by device mesh (embeddings on dp, layers on dp x tp),
                 # which torch's own refuses to mix.
                 return tp_clip_grad_norm_(params, max_norm, foreach=self.foreach_clip)
@@ -113,7 +118,7 @@ class DataParallelHandle:
         """Tensor parallel without a data-parallel wrapper leaves parameters outside the plan
         (norms) as plain tensors beside DTensors; torch's foreach kernels refuse such mixed
         lists unless the plain ones are taken as replicated, which they are."""
-        return implicit_replication() if self.dims.tp_enabled else contextlib.nullcontext()
+        return implicit_replication() if self.dims.tp_enabled or self.dims.ep_enabled else contextlib.nullcontext()
 
     def build_optimizer(self, settings: AdamWSettings, param_dtype: torch.dtype) -> torch.optim.Optimizer:
         """AdamW over the model's parameters; ZeRO-1 shards its state over the data-parallel group."""

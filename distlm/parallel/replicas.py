@@ -43,8 +43,16 @@ def first_replica_drift(model: nn.Module, dims: ParallelDims, device_type: str) 
     params = list(model.parameters())
     names = parameter_names(model)
     drifts = []
+    # Expert parallel's experts differ across their group by design: their copies are the
+    # ranks holding the same experts.
+    experts = [i for i, p in enumerate(params) if _sharded_on(p, "ep")]
     if dims.dp_enabled and dims.replicas_share_parameters:
-        drifts.append(_first_difference(params, names, dims.dp_group(device_type), "data-parallel"))
+        dense = [i for i in range(len(params)) if i not in set(experts)]
+        drifts.append(_first_difference([params[i] for i in dense], [names[i] for i in dense],
+                                        dims.dp_group(device_type), "data-parallel"))
+    if experts and dims.ep_replicas > 1:
+        drifts.append(_first_difference([params[i] for i in experts], [names[i] for i in experts],
+                                        dims.ep_mesh(device_type)["ep_replica"].get_group(), "expert replica"))
     if dims.tp_enabled:
         heads, replicas = HEADS_MESH_DIMS
         whole = [i for i, p in enumerate(params) if not _sharded_on(p, "tp") and not _sharded_on(p, heads)]

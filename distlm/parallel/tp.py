@@ -505,7 +505,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, foreach
     return total
 
 
-def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh, ignored_params: set[nn.Parameter] | None = None
+                    ) -> nn.Module:
     """Data parallelism (replicated parameters, averaged gradients) for a tensor-parallel model.
 
     torch's DistributedDataParallel cannot hold DTensor parameters: given the dp process
@@ -517,10 +518,12 @@ def apply_replicate(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     state dicts and distributed checkpoints work as for FSDP. It is applied per block,
     then to the root, so gradient all-reduces overlap backward (torchtitan's layout).
     Gradients are averaged over dp, as DDP does; on non-final micro-batches call
-    ``model.set_requires_gradient_sync(False)`` (DDP's ``no_sync``).
+    ``model.set_requires_gradient_sync(False)`` (DDP's ``no_sync``). ``ignored_params``
+    (expert parallelism's experts) are left alone: neither replicated nor reduced.
     """
     for block in model_blocks(model) or ():
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
-    logger.info("applied replicate over %d data-parallel ranks (tensor-parallel parameters)", dp_mesh.size())
+        replicate(block, mesh=dp_mesh, ignored_params=ignored_params)
+    replicate(model, mesh=dp_mesh, ignored_params=ignored_params)
+    logger.info("applied replicate over %d data-parallel ranks (%s)", dp_mesh.size(),
+                "beside the experts' DTensors" if ignored_params else "tensor-parallel parameters")
     return model
