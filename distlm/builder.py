@@ -216,6 +216,8 @@ def build_model_for_run(
     model = spec.build(vocab_size, padding_idx)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
+    # Expert parallel splits the experts: from Hugging Face files a rank reads only its own.
+    sharded = sharded or (from_hf and dims.ep_enabled)
     if not sharded:
         if weights_from_checkpoint or from_hf:
             # Cast while still on meta, so the weights are allocated once, in their own dtype.
