@@ -30,6 +30,7 @@ of their magnitude, far beyond these.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from distlm.choices import comm_hook_wire_dtype
 from distlm.precision import DTYPES, MODE_DTYPES
 
 EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+# A mixture of experts' stacked experts (distlm/models/moe.py), expert first: each expert is
+# compared, and named, on its own, so a report says which expert left the reference.
+STACKED_EXPERTS = re.compile(r"(.+\.)?experts\.(gate_up_proj|down_proj)")
 
 
 def units(dtype_name: str) -> int:
@@ -74,6 +78,18 @@ def tolerance_for(precision: str, comm_hook: str) -> Tolerance:
     return Tolerance(units(coarsest) * EPSILON[coarsest], reason, 2.0 if wire else 0.25)
 
 
+def expert_slices(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The recorded parameters, with each stacked expert tensor split into its experts,
+    ``NAME[expert J]``, in place and in order."""
+    result = {}
+    for name, tensor in tensors.items():
+        if STACKED_EXPERTS.fullmatch(name) and tensor.dim() == 3:
+            result.update((f"{name}[expert {expert}]", tensor[expert]) for expert in range(len(tensor)))
+        else:
+            result[name] = tensor
+    return result
+
+
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if actual.shape != expected.shape:
         return float("inf")
@@ -90,7 +106,8 @@ class StepComparison:
     loss_difference: float | None
     gnorm_difference: float | None
     parameters: dict[str, float]
-    """Parameter -> relative difference after this step (before the first update at step 0)."""
+    """Parameter (each expert of a stacked expert tensor on its own, ``NAME[expert J]``) -> relative
+    difference after this step (before the first update at step 0)."""
     parameter_slack: dict[str, float] = field(default_factory=dict)
     """Parameter -> the learning-rate slack of the tolerance, relative to its magnitude."""
     activations: dict[str, float] = field(default_factory=dict)
@@ -178,8 +195,8 @@ def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
     result = []
     learning_rates = 0.0
     for step in range(steps + 1):
-        ref_params = load_file(str(reference / "params" / f"step{step}.safetensors"))
-        lay_params = load_file(str(layout / "params" / f"step{step}.safetensors"))
+        ref_params = expert_slices(load_file(str(reference / "params" / f"step{step}.safetensors")))
+        lay_params = expert_slices(load_file(str(layout / "params" / f"step{step}.safetensors")))
         params = {name: relative_difference(lay_params[name], tensor) if name in lay_params else float("inf")
                   for name, tensor in ref_params.items()}
         row = StepComparison(step, None, None, None, None, params)
