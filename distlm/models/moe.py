@@ -124,7 +124,7 @@ class MoEConfig(LlamaConfig):
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter that expert parallelism distributed (a DTensor's
-    local shard), the tensor itself otherwise; read without importing torch.distributed."""
+    local shard), the tensor itself otherwise; read by duck typing, as models import no distributed code."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
