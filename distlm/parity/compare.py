@@ -118,8 +118,16 @@ def read_steps(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (directory / "steps.jsonl").read_text().splitlines() if line.strip()]
 
 
-def merged_activations(directory: Path, step: int, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merged_activations(directory: Path, step: int, reference: dict[str, torch.Tensor],
+                       ranks_per_micro_batch: int = 1) -> dict[str, torch.Tensor]:
     """Every rank's recordings of ``step`` joined into whole tensors, shaped as the reference's.
+
+    ``ranks_per_micro_batch`` > 1: a reference micro-batch holds that many data-parallel
+    ranks' micro-batches, one after another along the batch (a mixture of experts' global
+    micro-batch, one micro-batch per rank): rank r's micro-batch r is the reference's
+    micro-batch 0, rows r x b onwards. The reference pads its micro-batch to its longest
+    sample, a rank only to its own: positions a rank never computed (padding only the
+    reference has) take the reference's values, so they compare equal.
 
     Data-parallel ranks hold different micro-batches (keys differ); tensor-parallel ranks
     hold the same micro-batch, each whole or its shard: shards are concatenated in
@@ -151,7 +159,29 @@ def merged_activations(directory: Path, step: int, reference: dict[str, torch.Te
             merged[key] = pieces[0]
         else:
             merged[key] = _joined_like(pieces, expected.shape)
+    if ranks_per_micro_batch > 1:
+        grouped: dict[str, dict[int, torch.Tensor]] = {}
+        for key, tensor in merged.items():
+            name, _, micro = key.rpartition(":")
+            grouped.setdefault(f"{name}:{int(micro) // ranks_per_micro_batch}", {})[int(micro)] = tensor
+        merged = {key: _stacked_into(reference.get(key), [parts[m] for m in sorted(parts)])
+                  for key, parts in grouped.items()}
     return merged
+
+
+def _stacked_into(expected: torch.Tensor | None, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` one after another along the first dimension, each in the leading corner of
+    its rows of a copy of ``expected``; an empty tensor (a shape mismatch, reported as
+    infinitely different) when they do not fit in it."""
+    if expected is None:
+        return torch.empty(0)
+    whole, row = expected.clone(), 0
+    for piece in pieces:
+        if piece.dim() != whole.dim() or any(a > b for a, b in zip(piece.shape[1:], whole.shape[1:])):
+            return torch.empty(0)
+        whole[(slice(row, row + len(piece)), *(slice(0, size) for size in piece.shape[1:]))] = piece
+        row += len(piece)
+    return whole if row == len(whole) else torch.empty(0)
 
 
 def _joined_like(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
@@ -188,8 +218,9 @@ def forward_order(keys: list[str]) -> list[str]:
 
 
 def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
-                tolerance: Tolerance) -> list[StepComparison]:
-    """The layout's recordings against the reference's, step 0 (initial weights) to ``steps``."""
+                tolerance: Tolerance, ranks_per_micro_batch: int = 1) -> list[StepComparison]:
+    """The layout's recordings against the reference's, step 0 (initial weights) to ``steps``
+    (``ranks_per_micro_batch``: see ``merged_activations``)."""
     ref_steps = {row["step"]: row for row in read_steps(reference)}
     lay_steps = {row["step"]: row for row in read_steps(layout)}
     result = []
@@ -211,7 +242,7 @@ def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
             row.gnorm_difference = relative_difference(torch.tensor(lay["gnorm"]), torch.tensor(ref["gnorm"]))
         if step and activations:
             expected = load_activations(reference, step)
-            actual = merged_activations(layout, step, expected)
+            actual = merged_activations(layout, step, expected, ranks_per_micro_batch)
             for key, tensor in expected.items():
                 name = ":".join(key.split(":")[:2])
                 diff = relative_difference(actual[key], tensor) if key in actual else float("inf")
@@ -233,12 +264,23 @@ def first_divergence(rows: list[StepComparison], tolerance: Tolerance) -> str | 
                 return f"step {row.step}: {what} of {module} differs by {diff:.2e}"
         for what, diff in (("loss", row.loss_difference), ("gradient norm", row.gnorm_difference)):
             if diff is not None and diff > tolerance.value:
-                return f"step {row.step}: the {what} differs by {diff:.2e}"
+                return f"step {row.step}: the {what} differs by {diff:.2e}" + _worst_parameter(row, tolerance)
         for name, diff in row.parameters.items():
             if diff > tolerance.value + row.parameter_slack.get(name, 0.0):
                 when = "the initial weights" if row.step == 0 else "after the update"
                 return f"step {row.step}: parameter {name} ({when}) differs by {diff:.2e}"
     return None
+
+
+def _worst_parameter(row: StepComparison, tolerance: Tolerance) -> str:
+    """``; parameter NAME differs most, by D`` of the parameters beyond the tolerance after the
+    update whose loss or gradient norm differs (where that update took the layout), or ""."""
+    beyond = {name: diff for name, diff in row.parameters.items()
+              if diff > tolerance.value + row.parameter_slack.get(name, 0.0)}
+    if not beyond:
+        return ""
+    name = max(beyond, key=beyond.__getitem__)
+    return f"; parameter {name} differs most after it, by {beyond[name]:.2e}"
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:
