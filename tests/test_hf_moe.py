@@ -276,9 +276,10 @@ def test_published_archs_are_the_published_models(arch, published, hf_class, pub
     assert count == sum(p.numel() for p in reference.parameters()) == published_count
     specs = hf_tensor_specs(model.config, model.state_dict())
     assert sum(spec.numel for spec, _ in specs.values()) == published_count
-    layer = "model.layers.47" if arch == "qwen3_moe_30b_a3b" else "model.layers.31.block_sparse_moe"
-    name = f"{layer}.mlp.experts.127.down_proj.weight" if arch == "qwen3_moe_30b_a3b" else f"{layer}.experts.7.w2.weight"
-    assert specs[name][0].shape == ((2048, 768) if arch == "qwen3_moe_30b_a3b" else (4096, 14336))
+    qwen = arch == "qwen3_moe_30b_a3b"
+    name = ("model.layers.47.mlp.experts.127.down_proj.weight" if qwen
+            else "model.layers.31.block_sparse_moe.experts.7.w2.weight")
+    assert specs[name][0].shape == ((2048, 768) if qwen else (4096, 14336))
 
 
 # ---------------------------------------------------------------------- through training

@@ -94,8 +94,8 @@ def test_a_loss_or_gradient_norm_difference_names_the_parameter_that_moved_most(
     tolerance = Tolerance(1e-4, "test", 0.0)
     params = {"layers.0.attention.wq.weight": 5e-5, f"{EXPERT}[expert 2]": 3e-3, f"{EXPERT}[expert 6]": 7e-2}
     row = StepComparison(1, 1.0, 1.0, 0.0, 2e-3, params, {name: 0.0 for name in params})
-    assert first_divergence([row], tolerance) == (
-        f"step 1: the gradient norm differs by 2.00e-03; parameter {EXPERT}[expert 6] differs most after it, by 7.00e-02")
+    assert first_divergence([row], tolerance) == ("step 1: the gradient norm differs by 2.00e-03; "
+                                                  f"parameter {EXPERT}[expert 6] differs most after it, by 7.00e-02")
     quiet = StepComparison(1, 1.0, 1.0, 0.0, 2e-3, {"norm.weight": 0.0}, {"norm.weight": 0.0})
     assert first_divergence([quiet], tolerance) == "step 1: the gradient norm differs by 2.00e-03"
     stacked = expert_slices({EXPERT: torch.arange(24.0).view(3, 2, 4), "norm.weight": torch.ones(4)})

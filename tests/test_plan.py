@@ -722,7 +722,8 @@ def test_cli_projects_a_published_moe_layout(capsys, tmp_path):
     ("llama_tiny", ["--ranks", "2", "--ep-degree", "2"], "--ep-degree 2 splits the experts of MoE layers, and the "
                                                         "model has none"),
     ("qwen3_moe_tiny", ["--ranks", "2", "--tp-degree", "2"], "--tp-degree 2 with a mixture of experts is not offered"),
-    ("qwen3_moe_tiny", ["--ranks", "2", "--ep-degree", "2", "--strategy", "zero1"], "--ep-degree 2 with --strategy zero1"),
+    ("qwen3_moe_tiny", ["--ranks", "2", "--ep-degree", "2", "--strategy", "zero1"],
+     "--ep-degree 2 with --strategy zero1"),
     ("qwen3_moe_tiny", ["--ranks", "2", "--ep-degree", "0"], "--ep-degree must be at least 1, got 0"),
 ])
 def test_cli_refuses_moe_layouts_distlm_train_refuses_in_one_line(arch, flags, message, capsys):

@@ -169,7 +169,8 @@ def config_from_hf(layout: Layout, hf_config: dict[str, Any]) -> tuple[MoEConfig
                        norm_topk_prob=bool(setting(hf_config, defaults, "norm_topk_prob")))
     else:
         if setting(hf_config, defaults, "sliding_window") is not None:
-            raise refuse("sliding_window", hf_config["sliding_window"], "distlm's attention sees every earlier position")
+            raise refuse("sliding_window", hf_config["sliding_window"],
+                         "distlm's attention sees every earlier position")
         if setting(hf_config, defaults, "router_jitter_noise"):
             raise refuse("router_jitter_noise", hf_config["router_jitter_noise"],
                          "distlm's router does not jitter its inputs; set it to 0")
@@ -314,7 +315,8 @@ def import_part(layout: Layout, config: MoEConfig, name: str, read: Read, region
     return read(source, region)
 
 
-def export_tensors(layout: Layout, config: MoEConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def export_tensors(layout: Layout, config: MoEConfig, name: str,
+                   tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's (name, tensor) pairs made from distlm tensor ``name``: one per expert and
     projection for the stacked experts, one otherwise. Views and shape-only work, so meta
     tensors give the names and shapes without any data."""
