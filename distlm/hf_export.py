@@ -18,9 +18,9 @@ from distlm.checkpoint import TOKENIZER_DIR, CheckpointReader
 from distlm.checkpoint.directory import META_FILE
 from distlm.errors import UsageError, first_line
 from distlm.export_target import check_directory_target, copy_regular_files, staged_directory
-from distlm.models.hf import SpecialTokens, adapter_for, write_hf_directory
+from distlm.models.hf import SpecialTokens, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
-from distlm.models.registry import FAMILY_CONFIGS
+from distlm.models.registry import FAMILY_CONFIGS, FAMILY_MODELS
 
 logger = logging.getLogger("distlm")
 
@@ -39,7 +39,7 @@ def checked_model_config(reader: CheckpointReader) -> Any | None:
     try:
         config = FAMILY_CONFIGS[family](**model_config)
         with torch.device("meta"):
-            built = adapter_for(config).model_class(config).state_dict()
+            built = FAMILY_MODELS[family](config).state_dict()
     except (TypeError, ValueError, ArithmeticError) as err:
         raise UsageError(f"{reader.path / META_FILE}: model_config does not describe a {family} model "
                          f"({first_line(err)}); the checkpoint is damaged") from None

@@ -23,7 +23,10 @@ import numpy as np
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from distributed import Scenarios
+from distlm import export
 from distlm.config import parse_args
 from distlm.models.moe import moe_layers
 from distlm.parallel.full_state import consolidated_parameters
@@ -120,7 +123,7 @@ def jobs(data_dir, tmp_path_factory) -> dict:
                                 experts_reduced_over_their_own_group)),
         ("ep4-resume", train, (args_for(data_dir, chain, "softmax", 4, "--ep-degree", "4"), 1)),
     ], timeout=900)
-    return {2: two, 1: one, 4: four}
+    return {2: two, 1: one, 4: four, "chain": chain}
 
 
 def after_updates(reference: dict) -> dict:
@@ -179,3 +182,13 @@ def test_checkpoints_reshard_between_expert_parallel_degrees_exactly(jobs, refer
         for name, value in one["params"].items():
             assert torch.equal(rank["initial"][name], value), name
     assert_params_close(ep4[0]["params"], references["softmax"]["params"], PARAM_ATOL)
+
+
+def test_an_expert_parallel_checkpoint_exports_whole_experts(jobs, tmp_path):
+    """EP 4's last checkpoint, exported by one process, holds every expert tensor whole under its
+    single-device name ([experts, ...], no rank in the name), equal to the trained weights."""
+    exported = load_file(str(export.export(str(jobs["chain"] / "checkpoint_last"), str(tmp_path / "model.safetensors"))))
+    trained = jobs[4]["ep4-resume"][0]["params"]
+    assert exported.keys() == trained.keys()
+    assert exported["layers.0.feed_forward.experts.gate_up_proj"].shape[0] == 8
+    assert all(torch.equal(exported[name], value) for name, value in trained.items())

@@ -18,10 +18,12 @@ from distlm.backends import get_backend
 from distlm.config import parse_args
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError
+from distlm.mesh import ParallelDims
 from distlm.models import arch_config, build_model
 from distlm.models.flops import count_parameter_tensors, count_parameters, flops_per_token
 from distlm.models.hf import adapter_for
 from distlm.models.moe import MoEConfig, MoEFeedForward, finish_update, moe_layers, moe_parameter_counts
+from distlm.parallel.expert import apply_moe
 from distlm.start_log import describe_shape
 from distlm.validation import validate
 
@@ -207,3 +209,18 @@ def test_moe_settings_are_checked_with_the_model():
     with pytest.raises(UsageError, match="--num-experts belongs to a qwen3_moe model, but --arch llama_tiny"):
         validate(parse_args(["--arch", "llama_tiny", "--num-experts", "4", "--device", "cpu"]), env_of(1),
                  get_backend("cpu"))
+
+
+def test_the_backend_chooses_the_grouped_gemm_and_the_log_says_why(caplog):
+    """torch 2.13 runs torch._grouped_mm on CPU in float32, forward and backward; a compiled
+    float32 run gets the loop, since torch.compile traces the kernel in bfloat16 only."""
+    model = build_model("qwen3_moe_tiny", vocab_size=50)
+    single = ParallelDims(world_size=1)
+    with caplog.at_level("INFO", logger="distlm"):
+        apply_moe(model, single, torch.device("cpu"), torch.float32)
+        assert all(layer.experts.grouped_mm for layer in moe_layers(model))
+        apply_moe(model, single, torch.device("cpu"), torch.float32, compiled=True)
+        assert not any(layer.experts.grouped_mm for layer in moe_layers(model))
+    first, second = [r.getMessage() for r in caplog.records if r.getMessage().startswith("mixture of experts")]
+    assert "as one grouped GEMM (torch._grouped_mm runs on cpu in float32, forward and backward)" in first
+    assert "in a loop over experts (torch.compile traces torch._grouped_mm" in second

@@ -137,7 +137,9 @@ class MoEAttention(LlamaAttention):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+        # In float32, as the block's own norms see the float32 residual stream: under autocast the
+        # heads arrive in half precision, which RMSNorm's float32 weight cannot fuse with.
+        return self.q_norm(q.float()).type_as(q), self.k_norm(k.float()).type_as(k)
 
 
 class Router(nn.Module):
@@ -292,7 +294,10 @@ class MoEFeedForward(nn.Module):
         """Global statistics of this micro-batch's real tokens; this rank's share of the
         auxiliary loss (None without one). See the module docstring."""
         real = self.real_tokens
-        if real is not None and len(real) == len(probs):
+        if real is not None:
+            if len(real) != len(probs):
+                raise RuntimeError(f"the MoE layer was told which of {len(real)} tokens are padding but routes "
+                                   f"{len(probs)}: its input is not the model's batch")
             experts, probs = experts[real], probs[real]
         with torch.no_grad():
             counts = torch.bincount(experts.flatten(), minlength=self.n_experts)

@@ -120,6 +120,9 @@ the one table of model families."""
 FAMILY_CONFIGS: dict[str, type] = {FAMILIES[model_class]: type(config) for model_class, config in ARCHS.values()}
 """Family name -> its config class (what a checkpoint's ``model_config`` is read into)."""
 
+FAMILY_MODELS: dict[str, type[nn.Module]] = {family: model_class for model_class, family in FAMILIES.items()}
+"""Family name -> its model class (what a checkpoint's ``model_config`` builds)."""
+
 
 def arch_family(arch: str) -> str:
     """``"roberta"``, ``"llama"`` or ``"qwen3_moe"``."""

@@ -1,7 +1,8 @@
 """Apply parallelism to a single-device model from outside, in one fixed order.
 
 The order is: pipeline stages (cut from the model's blocks, parallel/pipeline.py), tensor parallel, then compilation of each block, then activation
-checkpointing around the compiled blocks, then FSDP or DDP with its communication hook (``replicate`` when the parameters are tensor-parallel DTensors).
+checkpointing around the compiled blocks, then a mixture of experts' routing pieces and expert parallel (parallel/expert.py),
+then FSDP or DDP with its communication hook (``replicate`` when the parameters hold DTensors: tensor or expert parallel).
 Each strategy is one ``apply_*`` call in this sequence, never a change to the model
 code, and logs one line. ZeRO-1 is the same data parallelism (DDP, or ``replicate``
 under tensor parallel) plus a sharded optimizer, which the returned handle builds.
@@ -13,26 +14,25 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from distlm.backends.base import probe_grouped_mm
-from distlm.parallel.expert import apply_moe, expert_parameters
-from distlm.precision import MODE_DTYPES
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from distlm.backends.base import probe_grouped_mm
 from distlm.compile import apply_compile
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
 from distlm.parallel.ddp import apply_ddp, build_comm_hook
+from distlm.parallel.expert import apply_moe, expert_parameters
 from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
 from distlm.parallel.full_state import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
 from distlm.parallel.pipeline import PipelineOptions, cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
+from distlm.precision import MODE_DTYPES
 
 logger = logging.getLogger("distlm")
 
@@ -91,7 +91,8 @@ def parallelize(
     if stages is not None:
         return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
     dtypes = MODE_DTYPES[options.precision]
-    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm)
+    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm,
+                                 compiled=options.compile_backend is not None)
     # Expert-parallel experts are reduced over their own group (ExpertGradients), never by the dense strategy.
     experts = expert_parameters(model) or None
     double_buffer = None

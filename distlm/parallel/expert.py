@@ -113,15 +113,21 @@ class ExpertGradients:
 
 def apply_moe(model: nn.Module, dims: ParallelDims, device: torch.device, compute_dtype: torch.dtype,
               grouped_mm: Callable[[torch.device, torch.dtype], tuple[bool, str]] = probe_grouped_mm,
-              ) -> ExpertGradients | None:
+              compiled: bool = False) -> ExpertGradients | None:
     """Install the pieces of the module docstring into ``model``'s MoE layers (collective: every
     rank calls it). ``grouped_mm(device, compute_dtype)``: the backend's verdict on
-    torch._grouped_mm, and why. Returns what reduces the experts' gradients under expert
-    parallelism (None otherwise)."""
+    torch._grouped_mm, and why; ``compiled``: the blocks run under torch.compile. Returns what
+    reduces the experts' gradients under expert parallelism (None otherwise)."""
     layers = moe_layers(model)
     if not layers:
         return None
-    use_grouped, why = grouped_mm(device, compute_dtype)
+    if compiled and compute_dtype != torch.bfloat16:
+        # Measured on CPU: eager runs it in float32, the compiled graph fails at the first forward.
+        use_grouped, why = False, ("torch.compile traces torch._grouped_mm with a kernel that takes bfloat16 only "
+                                   f"(torch {torch.__version__}), and this run computes in "
+                                   f"{str(compute_dtype).removeprefix('torch.')}")
+    else:
+        use_grouped, why = grouped_mm(device, compute_dtype)
     for layer in layers:
         layer.experts.grouped_mm = use_grouped
     logger.info("mixture of experts: %d MoE layers of %d experts, top-%d, dropless; experts run %s (%s)",
