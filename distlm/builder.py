@@ -34,7 +34,8 @@ from distlm.parallel.names import single_device_name
 
 
 # Settings that set sizes: --init-from-hf takes them from config.json, so they must agree.
-_SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size", "tie_word_embeddings")
+_SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size", "tie_word_embeddings",
+                "n_experts", "moe_ffn_dim", "moe_every", "n_shared_experts", "qk_norm")  # the last five: MoE only
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def resolve_model_spec(settings: ModelConfig, tokens_per_sample: int | None = No
     config = _replace(config, overrides, f"--init-from-hf {directory}")
     if settings.arch is not None:
         _check_arch_agrees(settings.arch, adapter.model_class, config, directory)
-    return ModelSpec(settings.arch or f"hf_{family}", adapter.model_class, config, directory, tokens)
+    return ModelSpec(settings.arch or f"hf_{adapter.model_type}", adapter.model_class, config, directory, tokens)
 
 
 def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
@@ -215,6 +216,8 @@ def build_model_for_run(
     model = spec.build(vocab_size, padding_idx)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
+    # Expert parallel splits the experts: from Hugging Face files a rank reads only its own.
+    sharded = sharded or (from_hf and dims.ep_enabled)
     if not sharded:
         if weights_from_checkpoint or from_hf:
             # Cast while still on meta, so the weights are allocated once, in their own dtype.
@@ -308,6 +311,11 @@ def _fill_shards_from_hf(model: nn.Module, spec: ModelSpec) -> None:
                     local.copy_(load(name, _local_region(param)))
             else:
                 param.copy_(load(name))
+        # Saved buffers (a mixture of experts' selection bias) come from the adapter too.
+        for module_name, module in model.named_modules():
+            for key, buffer in module.named_buffers(recurse=False):
+                if key not in module._non_persistent_buffers_set:
+                    buffer.copy_(load(single_device_name(f"{module_name}.{key}" if module_name else key)))
     model.init_buffers()  # derived from the config (rotary tables), never saved
 
 

@@ -65,8 +65,8 @@ def export_hf(checkpoint_path: str, out_dir: str, max_shard_size: str = DEFAULT_
     if config is None:
         raise UsageError(
             f"--checkpoint {reader.path} holds a {meta.get('arch')} model with no Hugging Face layout "
-            "(distlm exports its Llama and RoBERTa models; a checkpoint of an older release lacks the model "
-            "config: resume it once and save again)"
+            "(distlm exports its Llama, RoBERTa and mixture-of-experts models; a checkpoint of an older release "
+            "lacks the model config: resume it once and save again)"
         )
     names = reader.model_names()
     shapes = {name: reader.tensor_spec(f"model.{name}") for name in names}

@@ -150,8 +150,8 @@ def active_of(arch: str) -> int:
 
 
 def test_a_mixture_of_experts_has_no_llama_export():
-    with pytest.raises(UsageError, match="MoEConfig has no Hugging Face adapter"):
-        adapter_for(arch_config("qwen3_moe_tiny"))
+    # Its own layout (distlm/models/hf/moe.py), never Llama's, which would drop the experts.
+    assert adapter_for(arch_config("qwen3_moe_tiny")).architecture == "Qwen3MoeForCausalLM"
 
 
 def test_activation_checkpointing_counts_each_token_once():

@@ -43,6 +43,8 @@ from distlm.plan.model import (
     activation_bytes_per_rank,
     micro_batch_segments,
     all_gather_time,
+    all_to_all_bytes_per_micro,
+    all_to_all_time,
     collective_slowdown,
     collective_time,
     ddp_communication,
@@ -50,6 +52,7 @@ from distlm.plan.model import (
     gradient_allreduce_time,
     hierarchical_allreduce_time,
     load_cluster,
+    local_parameters,
     memory_per_rank,
     project,
     ring_allreduce_time,
@@ -199,39 +202,46 @@ def test_fsdp_exposes_its_first_all_gathers():
 # ----------------------------------------------------------------------------- memory
 
 
+# (arch, strategy, --ep-degree) of the runs whose memory the planner must predict.
+MEMORY_RUNS = [("llama_tiny", "ddp", 1), ("llama_tiny", "zero1", 1), ("llama_tiny", "fsdp", 1),
+               ("qwen3_moe_tiny", "ddp", 2), ("qwen3_moe_tiny", "fsdp", 2)]
+
+
 def _memory_under_each_strategy(data: str) -> dict:
     from distlm import TrainConfig, Trainer
 
     reports = {}
     vocab_size = None
-    for strategy in ("ddp", "zero1", "fsdp"):
+    for arch, strategy, ep in MEMORY_RUNS:
         config = TrainConfig()
-        config.model.arch = "llama_tiny"
+        config.model.arch = arch
         config.data.data = data
         config.data.batch_size = 2
         config.data.tokens_per_sample = 32
         config.distributed.strategy = strategy
+        config.distributed.ep_degree = ep
         config.distributed.device = "cpu"
         config.optim.max_update = 1
         config.checkpoint.no_save = True
         config.logging.log_format = "json"
         trainer = Trainer(config)
         vocab_size = len(trainer.data.dictionary)
-        reports[strategy] = trainer.fit()["memory_bytes_per_rank"]
+        reports[arch, strategy, ep] = trainer.fit()["memory_bytes_per_rank"]
     return {"reports": reports, "vocab_size": vocab_size}
 
 
 def test_memory_per_rank_matches_real_ranks(data_dir):  # noqa: F811 - fixture
-    """ddp 16Ψ, zero1 4Ψ + 4Ψ + 8Ψ/N, fsdp 16Ψ/N against the bytes 2 gloo ranks hold
-    (all three strategies one after another in one process group)."""
+    """ddp 16Ψ, zero1 4Ψ + 4Ψ + 8Ψ/N, fsdp 16Ψ/N against the bytes 2 gloo ranks hold (every
+    run one after another in one process group); under expert parallel 2 the dense part so,
+    and half of the experts whole (16 bytes each) beside it."""
     result = run_distributed(_memory_under_each_strategy, 2, data_dir, timeout=180)[0]
-    reports, shape = result["reports"], model_shape("llama_tiny", result["vocab_size"])
-    for strategy, ranks in reports.items():
-        predicted = memory_per_rank(Workload(shape=shape, strategy=strategy), Layout(nodes=1, ranks_per_node=2))
+    for (arch, strategy, ep), ranks in result["reports"].items():
+        shape = model_shape(arch, result["vocab_size"])
+        predicted = memory_per_rank(Workload(shape=shape, strategy=strategy), Layout(nodes=1, ranks_per_node=2, ep=ep))
         for rank, measured in enumerate(ranks):
             for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes"):
                 error = abs(predicted[key] / measured[key] - 1)
-                assert error < 0.02, (strategy, rank, key, predicted[key], measured[key])
+                assert error < 0.02, (arch, strategy, ep, rank, key, predicted[key], measured[key])
 
 
 # ------------------------------------------------------------------------ calibration
@@ -644,3 +654,79 @@ def test_cli_names_a_single_block_in_the_singular(tmp_path, capsys):
     assert plan_cli.main(["--arch", str(tmp_path / "config.json"), "--cluster", "local", "--pp-degree", "2"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "distlm.plan: error: --pp-degree 2 x 1 stages per rank exceeds the model's 1 block; lower --pp-degree"]
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+def test_moe_compute_counts_a_tokens_experts_and_expert_parallel_splits_the_rest():
+    """A token multiplies its top-k experts: the blocks' compute parameters are the active
+    ones; expert parallel 2 leaves the dense strategy the dense parameters and each rank
+    half of the routed experts (qwen3_moe_tiny: 2 MoE layers of 8 experts of 3 x 64 x 32)."""
+    shape = model_shape("qwen3_moe_tiny", 100)
+    routed = 2 * 8 * 3 * 64 * 32
+    whole, split = local_parameters(shape, 1), local_parameters(shape, 1, ep=2)
+    assert whole.total == split.total + routed / 2 == count_parameters(shape)
+    assert split.experts == routed / 2 and whole.experts == 0
+    assert split.dense_total == count_parameters(shape) - routed
+    active = count_parameters(shape) - 2 * (8 - 2) * 3 * 64 * 32  # all but the 6 experts a token skips
+    assert whole.embedding + whole.blocks * whole.compute_per_block + whole.head == active
+    assert split.compute_per_block == whole.compute_per_block
+    workload = Workload(shape=shape, precision="bf16", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    cluster = _cluster()
+    one, two = (project(workload, cluster, Layout(nodes=1, ranks_per_node=2, ep=ep)) for ep in (1, 2))
+    assert one.compute_s == pytest.approx(two.compute_s)  # EP moves tokens, not FLOPs
+    assert two.moe_comm_s > one.moe_comm_s > 0  # all-to-alls beside the routing statistics' all-reduce
+    assert two.expert_bytes_per_rank == 16 * routed / 2 and one.expert_bytes_per_rank == 0
+
+
+def test_all_to_all_volume_and_time_by_hand():
+    """Per MoE layer and micro-batch, each token's top-k copies go to their experts and come
+    back, in forward and in backward (and once more when activation checkpointing
+    recomputes); with even routing (ep-1)/ep of them leave the rank."""
+    shape = model_shape("qwen3_moe_tiny", 100)
+    workload = Workload(shape=shape, tokens_per_sample=SEQ_LEN, batch_size=BATCH)  # fp32: 4 bytes
+    copies = BATCH * SEQ_LEN * 2 * 64 * 4  # tokens x top-2 x width x bytes
+    assert all_to_all_bytes_per_micro(workload, Layout(1, 4, ep=4)) == 2 * 4 * copies * 3 / 4
+    checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+    assert all_to_all_bytes_per_micro(checkpointed, Layout(1, 4, ep=4)) == 2 * 6 * copies * 3 / 4
+    assert all_to_all_bytes_per_micro(workload, Layout(1, 4, ep=1)) == 0
+    # 8 ranks in a node, alpha 10 us, 100 GB/s: 7 steps + 7/8 of 1 MB.
+    cluster = _cluster(intra=Link(10e-6, 100e9))
+    assert all_to_all_time(1e6, Group(8, 1), cluster) == pytest.approx(7 * 10e-6 + 7 / 8 * 1e6 / 100e9)
+
+
+def test_cli_projects_a_published_moe_layout(capsys, tmp_path):
+    """Qwen3-30B-A3B on one p5.48xlarge, FSDP with expert parallel 8: the header states the
+    active parameters, the experts each rank holds and the all-to-all volume, as the row
+    does; the published config.json plans as the arch does."""
+    from test_hf_moe import QWEN3_30B_A3B
+
+    flags = ["--cluster", "p5.48xlarge", "--strategy", "fsdp", "--precision", "bf16", "--tokens-per-sample", "4096",
+             "--batch-size", "2", "--activation-checkpointing", "--ep-degree", "8", "--json"]
+    assert plan_cli.main(["--arch", "qwen3_moe_30b_a3b", *flags]) == 0
+    printed = capsys.readouterr()
+    row = json.loads(printed.out)[0]
+    routed = 48 * 128 * 3 * 2048 * 768
+    assert (row["ep_degree"], row["expert_bytes_per_rank"]) == (8, 16 * routed / 8)
+    assert row["all_to_all_bytes"] == 48 * 6 * (2 * 4096 * 8 * 2048 * 2) * 7 / 8
+    assert "3.353 B parameters active per token; --ep-degree 8: 54.00 GiB of experts per rank" in printed.err
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert plan_cli.main(["--arch", str(tmp_path / "config.json"), *flags]) == 0
+    assert json.loads(capsys.readouterr().out)[0] == row
+
+
+@pytest.mark.parametrize("arch, flags, message", [
+    ("qwen3_moe_tiny", ["--ranks", "6", "--ep-degree", "4"], "--ep-degree 4 does not divide the 6 data-parallel ranks"),
+    ("qwen3_moe_tiny", ["--ranks", "16", "--ep-degree", "16"], "--ep-degree 16 does not divide the 8 experts"),
+    ("llama_tiny", ["--ranks", "2", "--ep-degree", "2"], "--ep-degree 2 splits the experts of MoE layers, and the "
+                                                        "model has none"),
+    ("qwen3_moe_tiny", ["--ranks", "2", "--tp-degree", "2"], "--tp-degree 2 with a mixture of experts is not offered"),
+    ("qwen3_moe_tiny", ["--ranks", "2", "--ep-degree", "2", "--strategy", "zero1"],
+     "--ep-degree 2 with --strategy zero1"),
+    ("qwen3_moe_tiny", ["--ranks", "2", "--ep-degree", "0"], "--ep-degree must be at least 1, got 0"),
+])
+def test_cli_refuses_moe_layouts_distlm_train_refuses_in_one_line(arch, flags, message, capsys):
+    assert plan_cli.main(["--arch", arch, "--cluster", "local", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distlm.plan: error: " + message), lines

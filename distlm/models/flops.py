@@ -23,10 +23,12 @@ from torch import nn
 from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.models import ARCHS, LlamaConfig, RobertaConfig, arch_config, arch_task
+from distlm.models.hf import config_from_hf
 from distlm.models.moe import MoEConfig
 
-# The model_types of a Hugging Face config.json the planner reads (a mixture of experts' not yet).
-FAMILIES = ("llama", "roberta")
+# The model_types of a Hugging Face config.json the planner reads; the mixtures of experts'
+# through their adapters (distlm/models/hf/moe.py), which refuse what distlm cannot build.
+FAMILIES = ("llama", "roberta", "qwen3_moe", "mixtral")
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -152,7 +154,8 @@ def _shape_of_config(config: LlamaConfig | RobertaConfig) -> ModelShape:
 
 
 def shape_from_hf_config(path: str | Path) -> ModelShape:
-    """Read the standard fields of a Hugging Face ``config.json`` (``model_type`` llama or roberta).
+    """Read the standard fields of a Hugging Face ``config.json`` (``model_type`` llama, roberta,
+    qwen3_moe or mixtral).
 
     The shape is the one distlm would build: for RoBERTa, the position table holds
     ``max_position_embeddings`` rows (fairseq's padding offset included) and the one-row
@@ -170,8 +173,13 @@ def shape_from_hf_config(path: str | Path) -> ModelShape:
     model_type = fields.get("model_type")
     if model_type not in FAMILIES:
         raise UsageError(
-            f"--arch {path}: model_type {model_type!r} is not supported; the planner reads llama and roberta"
+            f"--arch {path}: model_type {model_type!r} is not supported; the planner reads {', '.join(FAMILIES)}"
         )
+    if model_type in ("qwen3_moe", "mixtral"):
+        try:
+            return _shape_of_config(config_from_hf(fields)[1])
+        except UsageError as err:
+            raise UsageError(f"--arch {path}: {err}") from None
 
     def read(name: str, default: int | None = None) -> int:
         value = fields.get(name, default)

@@ -8,7 +8,10 @@ batches, once in one process (the reference) and once per layout, with dropout o
 deterministic algorithms. Every other flag is distlm.train's and applies to all runs
 (``--config run.toml`` too); a layout's keys are added to them (distlm/parity/layouts.py).
 The reference takes the global batch as ``--update-freq`` x dp micro-batches of
-``--batch-size``, so its micro-batch j is the one data-parallel rank j / U trains on.
+``--batch-size``, so its micro-batch j is the one data-parallel rank j / U trains on. A
+mixture of experts with an auxiliary loss is the exception: that loss is taken over the
+global micro-batch (every rank's j-th, distlm/models/moe.py), so its reference trains on
+micro-batches of dp x ``--batch-size``, which exist for ``--update-freq`` 1 only.
 On one machine each layout is a ``torchrun --standalone`` of its world size; inside an
 allocation (torchrun, srun, mpiexec) every layout runs on the allocation's ranks, which
 must be its world size, and rank 0 runs the reference as a process of its own first.
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.backends.hardware import host_cores
+from distlm.builder import resolve_model_spec
 from distlm.config import OneLineErrorParser, parse_args as parse_train_args
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
@@ -112,12 +116,34 @@ def run_flags(train_flags: list[str], steps: int) -> list[str]:
 
 def reference_flags(flags: list[str], layout: Layout) -> list[str]:
     """One process in the layout's precision on its global batch: U x dp micro-batches
-    of its --batch-size."""
+    of its --batch-size, or a mixture of experts' global micro-batches (``global_micro_batch``)."""
     config = parse_train_args(flags + layout.flags)
     dp = layout.world_size // (config.distributed.tp_degree * getattr(config.distributed, "pp_degree", 1))
     stale = ["--double-buffering"] if config.distributed.double_buffering and dp > 1 else []
-    return [*flags, *layout.precision_flags, "--batch-size", str(config.data.batch_size),
-            "--update-freq", str(config.data.update_freq * dp), *stale]
+    ranks = global_micro_batch(flags, layout)
+    return [*flags, *layout.precision_flags, "--batch-size", str(config.data.batch_size * ranks),
+            "--update-freq", str(config.data.update_freq * dp // ranks), *stale]
+
+
+def global_micro_batch(flags: list[str], layout: Layout) -> int:
+    """How many data-parallel ranks' micro-batches a reference micro-batch holds: dp for a
+    mixture of experts with an auxiliary loss, whose routing statistics are those of every
+    rank's j-th micro-batch together; 1 otherwise (a model of the user's own: 1)."""
+    config = parse_train_args(flags + layout.flags)
+    dp = layout.world_size // (config.distributed.tp_degree * getattr(config.distributed, "pp_degree", 1))
+    if dp == 1 or (config.model.arch is None and config.model.init_from_hf is None):
+        return 1
+    coefficient = config.model.moe_aux_loss_coef
+    if coefficient is None:
+        coefficient = getattr(resolve_model_spec(config.model).config, "aux_loss_coef", 0.0)
+    if not coefficient:
+        return 1
+    if config.data.update_freq > 1:
+        raise UsageError(
+            f"layout {layout.text!r}: a mixture of experts' aux loss is taken over each global micro-batch (every "
+            f"rank's j-th), which no one process reproduces with --update-freq {config.data.update_freq}: its j-th "
+            "micro-batch holds other samples; compare with update_freq=1, or with --moe-aux-loss-coef 0")
+    return dp
 
 
 def layout_config(flags: list[str], layout: Layout):
@@ -198,7 +224,7 @@ def verdicts(args: argparse.Namespace, flags: list[str], directories: dict[str, 
         config = layout_config(flags, layout)
         tolerance = compare.tolerance_for(config.precision_mode, config.distributed.comm_hook)
         rows = compare.compare_run(directories[f"ref:{layout.name}"], directories[layout.name], args.steps,
-                                   args.activations, tolerance)
+                                   args.activations, tolerance, global_micro_batch(flags, layout))
         where = compare.first_divergence(rows, tolerance)
         stale = " (against a reference whose every update applies the previous update's gradients, as double " \
                 "buffering does)" if config.distributed.double_buffering else ""
@@ -228,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model_builder(args.model)
         for layout in args.layouts:
             check_layout(layout, flags)
+            global_micro_batch(flags, layout)  # refuses a reference no one process can be
         env = ClusterEnv.detect()
         if env.launcher == "single":
             check_rank_limit(args.layouts, args.max_ranks)

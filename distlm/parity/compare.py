@@ -30,6 +30,7 @@ of their magnitude, far beyond these.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ from distlm.choices import comm_hook_wire_dtype
 from distlm.precision import DTYPES, MODE_DTYPES
 
 EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
+# A mixture of experts' stacked experts (distlm/models/moe.py), expert first: each expert is
+# compared, and named, on its own, so a report says which expert left the reference.
+STACKED_EXPERTS = re.compile(r"(.+\.)?experts\.(gate_up_proj|down_proj)")
 
 
 def units(dtype_name: str) -> int:
@@ -74,6 +78,18 @@ def tolerance_for(precision: str, comm_hook: str) -> Tolerance:
     return Tolerance(units(coarsest) * EPSILON[coarsest], reason, 2.0 if wire else 0.25)
 
 
+def expert_slices(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The recorded parameters, with each stacked expert tensor split into its experts,
+    ``NAME[expert J]``, in place and in order."""
+    result = {}
+    for name, tensor in tensors.items():
+        if STACKED_EXPERTS.fullmatch(name) and tensor.dim() == 3:
+            result.update((f"{name}[expert {expert}]", tensor[expert]) for expert in range(len(tensor)))
+        else:
+            result[name] = tensor
+    return result
+
+
 def relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if actual.shape != expected.shape:
         return float("inf")
@@ -90,7 +106,8 @@ class StepComparison:
     loss_difference: float | None
     gnorm_difference: float | None
     parameters: dict[str, float]
-    """Parameter -> relative difference after this step (before the first update at step 0)."""
+    """Parameter (each expert of a stacked expert tensor on its own, ``NAME[expert J]``) -> relative
+    difference after this step (before the first update at step 0)."""
     parameter_slack: dict[str, float] = field(default_factory=dict)
     """Parameter -> the learning-rate slack of the tolerance, relative to its magnitude."""
     activations: dict[str, float] = field(default_factory=dict)
@@ -101,8 +118,16 @@ def read_steps(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (directory / "steps.jsonl").read_text().splitlines() if line.strip()]
 
 
-def merged_activations(directory: Path, step: int, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merged_activations(directory: Path, step: int, reference: dict[str, torch.Tensor],
+                       ranks_per_micro_batch: int = 1) -> dict[str, torch.Tensor]:
     """Every rank's recordings of ``step`` joined into whole tensors, shaped as the reference's.
+
+    ``ranks_per_micro_batch`` > 1: a reference micro-batch holds that many data-parallel
+    ranks' micro-batches, one after another along the batch (a mixture of experts' global
+    micro-batch, one micro-batch per rank): rank r's micro-batch r is the reference's
+    micro-batch 0, rows r x b onwards. The reference pads its micro-batch to its longest
+    sample, a rank only to its own: positions a rank never computed (padding only the
+    reference has) take the reference's values, so they compare equal.
 
     Data-parallel ranks hold different micro-batches (keys differ); tensor-parallel ranks
     hold the same micro-batch, each whole or its shard: shards are concatenated in
@@ -134,7 +159,29 @@ def merged_activations(directory: Path, step: int, reference: dict[str, torch.Te
             merged[key] = pieces[0]
         else:
             merged[key] = _joined_like(pieces, expected.shape)
+    if ranks_per_micro_batch > 1:
+        grouped: dict[str, dict[int, torch.Tensor]] = {}
+        for key, tensor in merged.items():
+            name, _, micro = key.rpartition(":")
+            grouped.setdefault(f"{name}:{int(micro) // ranks_per_micro_batch}", {})[int(micro)] = tensor
+        merged = {key: _stacked_into(reference.get(key), [parts[m] for m in sorted(parts)])
+                  for key, parts in grouped.items()}
     return merged
+
+
+def _stacked_into(expected: torch.Tensor | None, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` one after another along the first dimension, each in the leading corner of
+    its rows of a copy of ``expected``; an empty tensor (a shape mismatch, reported as
+    infinitely different) when they do not fit in it."""
+    if expected is None:
+        return torch.empty(0)
+    whole, row = expected.clone(), 0
+    for piece in pieces:
+        if piece.dim() != whole.dim() or any(a > b for a, b in zip(piece.shape[1:], whole.shape[1:])):
+            return torch.empty(0)
+        whole[(slice(row, row + len(piece)), *(slice(0, size) for size in piece.shape[1:]))] = piece
+        row += len(piece)
+    return whole if row == len(whole) else torch.empty(0)
 
 
 def _joined_like(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
@@ -171,15 +218,16 @@ def forward_order(keys: list[str]) -> list[str]:
 
 
 def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
-                tolerance: Tolerance) -> list[StepComparison]:
-    """The layout's recordings against the reference's, step 0 (initial weights) to ``steps``."""
+                tolerance: Tolerance, ranks_per_micro_batch: int = 1) -> list[StepComparison]:
+    """The layout's recordings against the reference's, step 0 (initial weights) to ``steps``
+    (``ranks_per_micro_batch``: see ``merged_activations``)."""
     ref_steps = {row["step"]: row for row in read_steps(reference)}
     lay_steps = {row["step"]: row for row in read_steps(layout)}
     result = []
     learning_rates = 0.0
     for step in range(steps + 1):
-        ref_params = load_file(str(reference / "params" / f"step{step}.safetensors"))
-        lay_params = load_file(str(layout / "params" / f"step{step}.safetensors"))
+        ref_params = expert_slices(load_file(str(reference / "params" / f"step{step}.safetensors")))
+        lay_params = expert_slices(load_file(str(layout / "params" / f"step{step}.safetensors")))
         params = {name: relative_difference(lay_params[name], tensor) if name in lay_params else float("inf")
                   for name, tensor in ref_params.items()}
         row = StepComparison(step, None, None, None, None, params)
@@ -194,7 +242,7 @@ def compare_run(reference: Path, layout: Path, steps: int, activations: bool,
             row.gnorm_difference = relative_difference(torch.tensor(lay["gnorm"]), torch.tensor(ref["gnorm"]))
         if step and activations:
             expected = load_activations(reference, step)
-            actual = merged_activations(layout, step, expected)
+            actual = merged_activations(layout, step, expected, ranks_per_micro_batch)
             for key, tensor in expected.items():
                 name = ":".join(key.split(":")[:2])
                 diff = relative_difference(actual[key], tensor) if key in actual else float("inf")
@@ -216,12 +264,23 @@ def first_divergence(rows: list[StepComparison], tolerance: Tolerance) -> str | 
                 return f"step {row.step}: {what} of {module} differs by {diff:.2e}"
         for what, diff in (("loss", row.loss_difference), ("gradient norm", row.gnorm_difference)):
             if diff is not None and diff > tolerance.value:
-                return f"step {row.step}: the {what} differs by {diff:.2e}"
+                return f"step {row.step}: the {what} differs by {diff:.2e}" + _worst_parameter(row, tolerance)
         for name, diff in row.parameters.items():
             if diff > tolerance.value + row.parameter_slack.get(name, 0.0):
                 when = "the initial weights" if row.step == 0 else "after the update"
                 return f"step {row.step}: parameter {name} ({when}) differs by {diff:.2e}"
     return None
+
+
+def _worst_parameter(row: StepComparison, tolerance: Tolerance) -> str:
+    """``; parameter NAME differs most, by D`` of the parameters beyond the tolerance after the
+    update whose loss or gradient norm differs (where that update took the layout), or ""."""
+    beyond = {name: diff for name, diff in row.parameters.items()
+              if diff > tolerance.value + row.parameter_slack.get(name, 0.0)}
+    if not beyond:
+        return ""
+    name = max(beyond, key=beyond.__getitem__)
+    return f"; parameter {name} differs most after it, by {beyond[name]:.2e}"
 
 
 def markdown_table(results: list[dict[str, Any]]) -> str:

@@ -4,7 +4,9 @@ A key is a setting of the ``[distributed]``, ``[precision]`` or ``[compile]`` se
 (``comm_hook``, ``bucket_cap_mb``, ``activation_checkpointing``...), ``batch_size`` or
 ``update_freq`` (so layouts of different dp can train on one global batch), or one of
 the short names below. The reference is one process with the run's own flags; each layout adds
-its keys to those flags, so what a layout leaves out is the run's setting.
+its keys to those flags, so what a layout leaves out is the run's setting. ``ep`` (expert
+parallel) is carved out of the data-parallel ranks, so it adds no processes; without ``dp``
+or ``world`` a layout has as many data-parallel ranks as ``ep``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def parse_layout(text: str) -> Layout:
     flags: list[str] = []
     precision_flags: list[str] = []
     degrees = {"dp": None, "tp": 1, "pp": 1}
+    ep = 1
     world = None
     seen = set()
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -74,10 +77,14 @@ def parse_layout(text: str) -> Layout:
         if key in seen:
             raise UsageError(f"layout {text!r}: {key} given twice")
         seen.add(key)
-        if key in _DEGREES or key == "world":
+        if key in _DEGREES or key in ("world", "ep"):
             number = _whole_number(text, key, value)
             if key == "world":
                 world = number
+                continue
+            if key == "ep":
+                ep = number
+                flags += ["--ep-degree", str(number)]
                 continue
             degrees[key] = number
             flags += [f"--{_DEGREES[key].replace('_', '-')}", str(number)]
@@ -91,17 +98,20 @@ def parse_layout(text: str) -> Layout:
             if key in _PRECISION_KEYS:
                 precision_flags += _flag(fields[key], key, value)
         else:
-            known = ", ".join(["dp", "tp", "pp", "world", "precision", *sorted(fields)])
+            known = ", ".join(["dp", "tp", "pp", "ep", "world", "precision", *sorted(fields)])
             raise UsageError(f"layout {text!r}: unknown key {key!r}; keys are {known}")
     if not seen:
         raise UsageError(f"layout {text!r} is empty; write e.g. \"strategy=fsdp,dp=2\"")
     model_parallel = degrees["tp"] * degrees["pp"]
     if world is None:
-        world = (degrees["dp"] or 1) * model_parallel
+        world = (degrees["dp"] or ep) * model_parallel
     elif degrees["dp"] is not None and degrees["dp"] * model_parallel != world:
         raise UsageError(f"layout {text!r}: dp x tp x pp = {degrees['dp'] * model_parallel}, not world={world}")
     elif world % model_parallel:
         raise UsageError(f"layout {text!r}: world={world} is not a multiple of tp x pp = {model_parallel}")
+    if (world // model_parallel) % ep:
+        raise UsageError(f"layout {text!r}: ep={ep} does not divide the {world // model_parallel} data-parallel "
+                         "ranks it is carved out of; choose a divisor of dp")
     return Layout(text, flags, world, precision_flags)
 
 

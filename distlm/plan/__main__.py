@@ -42,7 +42,8 @@ def build_parser() -> OneLineErrorParser:
         prog="python -m distlm.plan", allow_abbrev=False, description=__doc__.splitlines()[0]
     )
     add = parser.add_argument
-    add("--arch", required=True, help="a distlm arch name or a Hugging Face config.json (model_type llama or roberta)")
+    add("--arch", required=True,
+        help="a distlm arch name or a Hugging Face config.json (model_type llama, roberta, qwen3_moe or mixtral)")
     add("--cluster", required=True, help=f"one of {', '.join(available_clusters())}, or a profile .toml file")
     add("--nodes", type=whole_number_list("--nodes"), default=None, help="node counts to project, e.g. 1,2,4 (default 1)")
     add("--ranks", type=whole_number_list("--ranks"), default=None,
@@ -51,6 +52,8 @@ def build_parser() -> OneLineErrorParser:
     add("--strategy", default="ddp", choices=STRATEGIES, help="ddp, zero1 or fsdp")
     add("--tp-degree", type=int, default=1, help="tensor-parallel degree (inside a node)")
     add("--pp-degree", type=int, default=1, help="pipeline stages (outermost: pp x dp x tp ranks)")
+    add("--ep-degree", type=int, default=1,
+        help="expert parallel: consecutive data-parallel ranks that split each MoE layer's experts")
     add("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
     add("--pp-microbatches", type=int, default=None,
         help="micro-batches each --batch-size is split into per pipeline pass (default 2 x --pp-degree)")
@@ -98,7 +101,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
         )
     shape = model_shape(args.arch, args.vocab_size)
     rows = []
-    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree, args.pp_degree):
+    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree, args.pp_degree, args.ep_degree):
         micro, update_freq = resolve_batch(layout.dp, args.batch_size, args.update_freq, args.global_batch_size)
         workload = Workload(
             shape=shape, strategy=args.strategy, precision=args.precision, tokens_per_sample=args.tokens_per_sample,
@@ -126,6 +129,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
             f"per pass, {row.pp_stages_per_rank} stage(s) per rank: bubble {row.pp_bubble_s:.3f} s of the first row's "
             f"{row.step_time_s:.3f} s step"
         )
+    if shape.n_experts:
+        row = rows[0] if rows else None
+        header.append(
+            f"mixture of experts: {shape.n_moe_layers} MoE layers of {shape.n_experts} experts, top-{shape.top_k}; "
+            f"{(count_parameters(shape) - shape.inactive_expert_parameters) / 1e9:.3f} B parameters active per token"
+            + (f"; --ep-degree {row.ep_degree}: {row.expert_bytes_per_rank / GIB:.2f} GiB of experts per rank, "
+               f"{row.all_to_all_bytes / GIB:.2f} GiB sent by all-to-alls per rank per update"
+               if row is not None and row.ep_degree > 1 else "")
+        )
     if args.tp_degree > shape.n_kv_heads:
         header.append(
             f"note: --tp-degree {args.tp_degree} > n_kv_heads {shape.n_kv_heads}: each rank keeps one key/value head, "
@@ -148,6 +160,7 @@ def format_table(rows: list[Projection]) -> str:
         ("exposed", "{:>8.3f}", lambda r: r.comm_exposed_s),
         *([("bubble", "{:>8.3f}", lambda r: r.pp_bubble_s), ("p2p", "{:>7.3f}", lambda r: r.pp_p2p_s)]
           if any(r.pp_degree > 1 for r in rows) else []),
+        *([("moe_comm", "{:>8.3f}", lambda r: r.moe_comm_s)] if any(r.moe_comm_s for r in rows) else []),
         ("optim", "{:>7.3f}", lambda r: r.optimizer_s),
         ("tokens/s", "{:>10.0f}", lambda r: r.tokens_per_s),
         ("samples/s", "{:>9.2f}", lambda r: r.samples_per_s),

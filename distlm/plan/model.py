@@ -42,6 +42,15 @@
   runs V interleaved stages); a slot is that stage's forward and backward plus the two
   point-to-point transfers it waits for (the activation in, its gradient back). Memory per
   rank counts only its stage, with the activations of the micro-batches it holds in flight.
+* Mixture of experts: compute counts the parameters a token multiplies (its top-k experts,
+  ``flops.active_matmul_parameters``). Expert parallel (``--ep-degree``, groups of
+  consecutive data-parallel ranks) holds ``1/ep`` of each MoE layer's experts whole on each
+  rank, outside the dense strategy: 16 bytes a parameter, updated where they live, their
+  gradients all-reduced over the ranks holding the same experts once backward is done (on
+  the critical path). Each MoE layer's all-to-alls (tokens to their experts and back, in
+  forward and backward) and its routing statistics' all-reduce run inside the block, on the
+  critical path as tensor parallel's are; routing is assumed even, so ``(ep-1)/ep`` of a
+  rank's top-k token copies leave it.
 """
 
 from __future__ import annotations
@@ -78,6 +87,8 @@ ADAM_BYTES_PER_PARAM = 40
 # parallel. The attention-score term (5 a s / h) is left out: SDPA's fused kernels do not
 # keep the scores.
 ACTIVATION_BYTES_PER_TOKEN_UNIT = 34.0
+# Of those 34, the feed-forward's (its input, two 4h-wide intermediates and a dropout mask).
+DENSE_MLP_BYTES_PER_TOKEN_UNIT = 19.0
 PROFILES_PACKAGE = "distlm.plan"
 
 
@@ -439,6 +450,9 @@ class Layout:
     ranks_per_node: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallel: groups of ``ep`` consecutive data-parallel ranks split each MoE layer's
+    experts (distlm's ``ParallelDims.ep``)."""
 
     @property
     def world(self) -> int:
@@ -457,6 +471,20 @@ class Layout:
         # Tensor-parallel ranks are neighbours in a node, so each data-parallel group holds
         # ranks_per_node / tp ranks of every node of its stage, and tp such groups share each node's network.
         return Group(ranks=self.dp, nodes=self.stage_nodes, concurrent=self.tp)
+
+    def ep_group(self) -> Group:
+        """An expert-parallel group: ``ep`` consecutive ranks, inside a node when they fit;
+        spread over nodes, all of a node's ranks send across its network at once."""
+        nodes = max(1, math.ceil(self.ep / self.ranks_per_node))
+        return Group(ranks=self.ep, nodes=nodes, concurrent=self.ranks_per_node if nodes > 1 else 1)
+
+    def expert_replica_group(self) -> Group:
+        """The ranks holding the same experts (one per expert-parallel group), whose expert
+        gradients are summed: every ``ep``-th rank, so over all nodes, as many such groups
+        sharing each node's network as a node holds ranks of one expert-parallel group."""
+        ranks = self.dp // self.ep
+        nodes = min(self.nodes, ranks)
+        return Group(ranks=ranks, nodes=nodes, concurrent=min(self.ep, self.ranks_per_node) if nodes > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -548,6 +576,17 @@ class Projection:
     """Idle pipeline slots of the update (its passes' bubbles)."""
     pp_p2p_s: float = 0.0
     """Point-to-point activation and gradient transfers on the slowest stage's critical path."""
+    ep_degree: int = 1
+    moe_comm_s: float = 0.0
+    """A mixture of experts' collectives inside forward and backward, on the critical path: the
+    all-to-alls that carry tokens to their experts and back, and the routing statistics'
+    all-reduces over the data-parallel ranks."""
+    all_to_all_bytes: float = 0.0
+    """Bytes each rank sends to other ranks through the all-to-alls of one update."""
+    expert_bytes_per_rank: float = 0.0
+    """Of ``memory_bytes_per_rank``, the routed experts' weights, gradients and Adam state that
+    expert parallel leaves whole on this rank (0 without expert parallel: they count with the
+    dense parameters, sharded as the strategy shards them)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -567,19 +606,48 @@ class LocalParameters:
     matmul_embedding: float
     """Of ``embedding``, the part that multiplies per token (a tied output projection)."""
     matmul_head: float
+    experts: float = 0.0
+    """Routed expert parameters expert parallel holds on this rank, outside the dense
+    strategy (its share of every MoE layer's experts); 0 without expert parallel, where
+    they are in ``per_block``."""
+    active_per_block: float | None = None
+    """Of a mixture of experts, the parameters a token multiplies in an average block (its
+    top-k experts, not all of them); None: ``per_block``."""
+
+    @property
+    def dense_total(self) -> float:
+        """Parameters the data-parallel strategy holds (shards or replicates)."""
+        return self.embedding + self.blocks * self.per_block + self.head
 
     @property
     def total(self) -> float:
-        return self.embedding + self.blocks * self.per_block + self.head
+        return self.dense_total + self.experts
+
+    @property
+    def compute_per_block(self) -> float:
+        return self.per_block if self.active_per_block is None else self.active_per_block
 
 
-def local_parameters(shape: ModelShape, tp: int) -> LocalParameters:
+def local_parameters(shape: ModelShape, tp: int, ep: int = 1) -> LocalParameters:
     """Parameter counts per tensor-parallel rank under distlm's TP plans: Llama splits its
     block projections, vocabulary embedding and output layer and keeps norms whole;
     RoBERTa splits its encoder projections (row-wise biases and LayerNorms stay whole)
-    and keeps embeddings and the tied LM head replicated."""
+    and keeps embeddings and the tied LM head replicated. A mixture of experts (no tensor
+    parallel) has its blocks averaged, as the projection runs them alike, and under
+    expert parallel (``ep``) its routed experts apart, ``1/ep`` of them per rank."""
     groups = parameter_groups(shape)
     d = shape.dim
+    if shape.n_experts:
+        blocks = groups.blocks * groups.per_block + groups.uneven_blocks
+        routed = routed_expert_parameters(shape)
+        dense_blocks = blocks - routed if ep > 1 else blocks
+        head = d + (0 if shape.tied_output else groups.output_projection)
+        return LocalParameters(
+            embedding=groups.embedding, per_block=dense_blocks / shape.n_layers, head=head, blocks=shape.n_layers,
+            matmul_embedding=groups.embedding if shape.tied_output else 0.0, matmul_head=head,
+            experts=routed / ep if ep > 1 else 0.0,
+            active_per_block=(blocks - shape.inactive_expert_parameters) / shape.n_layers,
+        )
     if shape.family == "llama":
         norms = 2 * d
         block = (groups.per_block - norms) / tp + norms
@@ -607,7 +675,7 @@ def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
     """``local_parameters`` of the part of the model this rank runs: under pipeline
     parallel, its stage's blocks, the embedding on the first stage and the final norm and
     output on the last (a tied output keeps its own copy of the embedding there)."""
-    local = local_parameters(workload.shape, layout.tp)
+    local = local_parameters(workload.shape, layout.tp, layout.ep)
     stage = workload.stage
     if stage is None:
         return local
@@ -624,10 +692,15 @@ def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
 def memory_per_rank(workload: Workload, layout: Layout) -> dict[str, float]:
     """Bytes per rank in parameters, gradients and Adam state (16 bytes a parameter in
     fp32, as distlm keeps them), sharded by strategy: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N,
-    FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate."""
-    local = rank_parameters(workload, layout).total
-    held = zero_formula_bytes(local, layout.dp, ZERO_STAGES[workload.strategy])
-    return {**held, "activation_bytes": activation_bytes_per_rank(workload, layout)}
+    FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate. Under
+    expert parallel the dense strategy holds the dense parameters only, and each rank its
+    share of the experts whole (16 bytes each; ``expert_bytes``)."""
+    local = rank_parameters(workload, layout)
+    held = zero_formula_bytes(local.dense_total, layout.dp, ZERO_STAGES[workload.strategy])
+    experts = zero_formula_bytes(local.experts, 1, 0)
+    held = {key: held[key] + experts[key] for key in held}
+    return {**held, "expert_bytes": experts["total_bytes"],
+            "activation_bytes": activation_bytes_per_rank(workload, layout)}
 
 
 def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
@@ -644,6 +717,9 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
     else:
         per_unit = 10 + 24 / tp
     block = tokens * s.dim * per_unit * scale
+    if s.n_experts:
+        block += tokens * (moe_mlp_bytes_per_token(s) - s.n_moe_layers / s.n_layers * DENSE_MLP_BYTES_PER_TOKEN_UNIT
+                           * s.dim) * scale
     if workload.activation_checkpointing:
         inputs = tokens * s.dim * workload.activation_bytes / (tp if workload.sequence_parallel else 1)
         blocks = s.n_layers * inputs + block
@@ -652,6 +728,18 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
     vocab = s.vocab_size / tp if s.family == "llama" else s.vocab_size * workload.masked_fraction
     logits = tokens * vocab * 4 * 2 if workload.stage is None or workload.stage.last else 0.0
     return blocks + logits
+
+
+def moe_mlp_bytes_per_token(shape: ModelShape) -> float:
+    """Bytes a mixture-of-experts feed-forward keeps for backward per token, 16-bit
+    activations, averaged over the blocks: its input (2h); each of its top-k copies routed to
+    an expert and its output back (2h + 2h), the expert's gate and up outputs, the silu and
+    the product (2F + F + F, 2 bytes each); the router's fp32 probabilities (4E, and their
+    softmax's output again); shared experts as a SwiGLU of their width."""
+    h, f, k = shape.dim, shape.moe_ffn_dim, shape.top_k
+    shared = shape.n_shared_experts * f
+    per_layer = 2 * h + k * (4 * h + 8 * f) + 8 * shape.n_experts + (8 * shared if shared else 0)
+    return shape.n_moe_layers / shape.n_layers * per_layer
 
 
 # -------------------------------------------------------------------------- compute
@@ -671,7 +759,8 @@ def micro_batch_segments(
 ) -> tuple[list[Segment], list[Segment], float]:
     """Forward segments (embedding, blocks, head) and backward segments (head, blocks in
     reverse, embedding) of one micro-batch on one rank, with the tensor-parallel
-    all-reduces inside the block segments; and the micro-batch's tensor-parallel seconds.
+    all-reduces and a mixture of experts' collectives (``moe_block_seconds``) inside the
+    block segments; and the micro-batch's tensor-parallel seconds.
 
     A tied output projection multiplies in the head but its gradient, accumulated with
     the embedding lookup's, is complete only when the embedding's backward is.
@@ -680,10 +769,11 @@ def micro_batch_segments(
     local = rank_parameters(workload, layout)
     tokens = workload.tokens_per_micro_batch
     flops_rate = cluster.achieved_flops_per_rank(workload.precision) / compute_slowdown(layout, cluster)
-    # Forward FLOPs per token: 2 per multiplied parameter, and 4 x heads x head size x T
-    # for the QK^T and AV products (the heads are split over the tensor-parallel ranks).
+    # Forward FLOPs per token: 2 per multiplied parameter (a mixture of experts' token
+    # multiplies its top-k experts only), and 4 x heads x head size x T for the QK^T and AV
+    # products (the heads are split over the tensor-parallel ranks).
     attention = 4.0 * s.attention_dim * workload.tokens_per_sample / tp
-    fwd_block = tokens * (2 * local.per_block + attention) / flops_rate
+    fwd_block = tokens * (2 * local.compute_per_block + attention) / flops_rate
     head_tokens = tokens * (workload.masked_fraction if s.family == "roberta" else 1.0)
     fwd_head = head_tokens * 2 * (local.matmul_head + local.matmul_embedding) / flops_rate
     recompute = fwd_block if workload.activation_checkpointing else 0.0
@@ -693,13 +783,75 @@ def micro_batch_segments(
     tp_allreduce = collective_time("all_reduce", tokens * s.dim * workload.activation_bytes, Group(tp, 1), cluster)
     tp_fwd = 2 * tp_allreduce
     tp_bwd = 2 * tp_allreduce + (tp_fwd if workload.activation_checkpointing else 0.0)
-    forward = [Segment(0.0, 0.0)] + [Segment(fwd_block + tp_fwd, 0.0)] * s.n_layers + [Segment(fwd_head, 0.0)]
+    # A mixture of experts' collectives ride with the tensor-parallel ones, on the critical path.
+    moe_fwd, moe_bwd = moe_block_seconds(workload, layout, cluster)
+    forward = [Segment(0.0, 0.0)] + [Segment(fwd_block + tp_fwd + moe_fwd, 0.0)] * s.n_layers + [Segment(fwd_head, 0.0)]
     backward = (
         [Segment(2 * fwd_head, local.head)]
-        + [Segment(2 * fwd_block + recompute + tp_bwd, local.per_block)] * s.n_layers
+        + [Segment(2 * fwd_block + recompute + tp_bwd + moe_bwd, local.per_block)] * s.n_layers
         + [Segment(0.0, local.embedding)]
     )
     return forward, backward, s.n_layers * (tp_fwd + tp_bwd)
+
+
+# ------------------------------------------------------------------- mixture of experts
+
+
+def routed_expert_parameters(shape: ModelShape) -> int:
+    """Parameters of the routed experts of every MoE layer (0 for a dense model)."""
+    return shape.n_moe_layers * shape.n_experts * 3 * shape.dim * shape.moe_ffn_dim
+
+
+def all_to_all_time(nbytes: float, group: Group, cluster: Cluster) -> float:
+    """An all-to-all in which each rank of ``group`` sends ``nbytes`` spread evenly over the
+    ranks, its own share staying: ``(p-1)/p x n`` leave each rank at once, over the group's
+    link (a node's network shared by its ranks), after ``p - 1`` latency steps."""
+    if group.ranks <= 1 or nbytes <= 0:
+        return 0.0
+    link = group_link(group, cluster)
+    return (group.ranks - 1) * link.latency_s + (group.ranks - 1) / group.ranks * nbytes / link.bandwidth_Bps
+
+
+def all_to_all_bytes_per_micro(workload: Workload, layout: Layout) -> float:
+    """Bytes one rank sends to others through the all-to-alls of one micro-batch: per MoE
+    layer, its tokens' top-k copies to their experts and the results back, in forward and
+    again (their gradients) in backward, once more in forward when activation checkpointing
+    recomputes; routing assumed even, so ``(ep-1)/ep`` of the copies leave the rank."""
+    s, ep = workload.shape, layout.ep
+    if not s.n_experts or ep <= 1:
+        return 0.0
+    copies = workload.tokens_per_micro_batch * s.top_k * s.dim * workload.activation_bytes
+    exchanges = 4 + (2 if workload.activation_checkpointing else 0)
+    return s.n_moe_layers * exchanges * copies * (ep - 1) / ep
+
+
+def moe_block_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of a mixture of experts' collectives per block of one
+    micro-batch, averaged over the blocks: each MoE layer's two all-to-alls in forward (the
+    tokens to their experts, the results back; each after an all-to-all of the counts) and
+    two in backward, and its routing statistics summed over the data-parallel ranks (one
+    all-reduce of ``2E + 1`` numbers in every forward, the recomputed one included); 0 for a
+    dense model."""
+    s = workload.shape
+    if not s.n_experts:
+        return 0.0, 0.0
+    share = s.n_moe_layers / s.n_layers
+    copies = workload.tokens_per_micro_batch * s.top_k * s.dim * workload.activation_bytes
+    group = layout.ep_group()
+    exchange = 2 * (all_to_all_time(copies, group, cluster) + all_to_all_time(8 * s.n_experts, group, cluster))
+    statistics = collective_time("all_reduce", 8 * (2 * s.n_experts + 1), layout.dp_group(), cluster, "auto")
+    forward = exchange + statistics
+    backward = exchange + (forward if workload.activation_checkpointing else 0.0)
+    return share * forward, share * backward
+
+
+def expert_gradient_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+    """The experts' gradients summed over the ranks holding the same experts: one all-reduce
+    of them all once backward is done (distlm's ``ExpertGradients``), on the critical path; 0
+    without expert parallel (the dense strategy reduces them) or with one group."""
+    experts = rank_parameters(workload, layout).experts
+    return collective_time("all_reduce", 4 * experts, layout.expert_replica_group(), cluster,
+                           workload.allreduce_algorithm) if experts else 0.0
 
 
 def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: float = 0.15) -> float:
@@ -714,8 +866,9 @@ def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> f
     sharded gradients, clipping adds an all-reduce of the squared norm. Parameters held as
     DTensors (FSDP, tensor parallel) add DTensor's dispatch for every tensor, however
     small its shard."""
-    local = rank_parameters(workload, layout).total
-    updated = local if workload.strategy == "ddp" or layout.dp == 1 else local / layout.dp
+    local = rank_parameters(workload, layout)
+    dense = local.dense_total if workload.strategy == "ddp" or layout.dp == 1 else local.dense_total / layout.dp
+    updated = dense + local.experts  # expert parallel's experts are updated whole where they live
     seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
     fsdp = workload.strategy == "fsdp" and layout.dp > 1
     if fsdp or layout.tp > 1:
@@ -1074,7 +1227,8 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     uf = workload.update_freq
     optimizer = optimizer_seconds(workload, layout, cluster)
     tp_comm = uf * tp_per_micro
-    compute = uf * micro - tp_comm
+    moe_comm = uf * workload.shape.n_layers * sum(moe_block_seconds(workload, layout, cluster))
+    compute = uf * micro - tp_comm - moe_comm
     dp_enabled = layout.dp > 1
     overlap = communication_overlaps(layout, cluster)
 
@@ -1097,10 +1251,13 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
         exposed_buckets = exposed_ddp_seconds(buckets, backward_seconds, period) if overlap else comm_total
         step = uf * micro + optimizer + exposed_buckets
         if workload.strategy == "zero1" and dp_enabled:
-            local = rank_parameters(workload, layout).total
+            local = rank_parameters(workload, layout).dense_total
             sync = collective_time("all_gather", 4 * local, layout.dp_group(), cluster)
             comm_total += sync
             step += sync
+    experts = expert_gradient_seconds(workload, layout, cluster)
+    comm_total += experts
+    step += experts
 
     if dp_enabled:
         # distlm normalises the loss by the global target-token count: one all-reduce of a
@@ -1112,7 +1269,7 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     exposed = max(0.0, step - uf * micro - optimizer)  # clamps float noise when nothing is exposed
     # One replica alone (no data-parallel communication, nothing sharded, no other
     # replica sharing its cores) sets the ideal.
-    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp * layout.pp)
+    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp * layout.pp, ep=1)
     single_forward, single_backward, _ = micro_batch_segments(workload, single, cluster)
     single_micro = sum(segment.seconds for segment in single_forward + single_backward)
     ideal_step = uf * single_micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
@@ -1148,6 +1305,10 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
         activation_bytes_per_rank=memory["activation_bytes"],
         device_memory_bytes=cluster.memory_bytes_per_rank,
         fits=memory["total_bytes"] + memory["activation_bytes"] <= cluster.memory_bytes_per_rank,
+        ep_degree=layout.ep,
+        moe_comm_s=moe_comm,
+        all_to_all_bytes=uf * all_to_all_bytes_per_micro(workload, layout),
+        expert_bytes_per_rank=memory["expert_bytes"],
     )
 
 
@@ -1159,7 +1320,7 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
         "tokens_per_sample": workload.tokens_per_sample, "batch_size": workload.batch_size,
         "update_freq": workload.update_freq, "bucket_cap_mb": workload.bucket_cap_mb, "tp_degree": layout.tp,
         "pp_degree": layout.pp, "pp_microbatches": workload.pp_microbatches,
-        "pp_stages_per_rank": workload.pp_stages_per_rank,
+        "pp_stages_per_rank": workload.pp_stages_per_rank, "ep_degree": layout.ep,
     })
     if workload.allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
         raise UsageError(
@@ -1173,6 +1334,9 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
             "lower it"
         )
     hooks_asked = workload.comm_hook != "allreduce" or workload.double_buffering
+    if hooks_asked and layout.ep > 1:
+        raise UsageError(f"--comm-hook/--double-buffering are DDP communication hooks, and with --ep-degree "
+                         f"{layout.ep} the dense parameters are not in torch DDP; drop them")
     if hooks_asked and workload.strategy == "fsdp":
         raise UsageError(
             "--comm-hook/--double-buffering are DDP communication hooks; FSDP reduce-scatters its own "
@@ -1200,10 +1364,38 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
         )
     if workload.sequence_parallel and layout.tp == 1:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
+    validate_experts(workload, layout)
     validate_pipeline(workload, layout)
 
 
-def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int, pp: int = 1) -> list[Layout]:
+def validate_experts(workload: Workload, layout: Layout) -> None:
+    """Refuse the mixture-of-experts layouts distlm.train refuses (one line each)."""
+    s, ep = workload.shape, layout.ep
+    if ep < 1:
+        raise UsageError(f"--ep-degree must be at least 1, got {ep}")
+    if ep > 1 and not s.n_experts:
+        raise UsageError(f"--ep-degree {ep} splits the experts of MoE layers, and the model has none; "
+                         "drop --ep-degree or plan a mixture of experts")
+    if s.n_experts and layout.tp > 1:
+        raise UsageError(f"--tp-degree {layout.tp} with a mixture of experts is not offered yet; use --ep-degree")
+    if s.n_experts and layout.pp > 1:
+        raise UsageError(f"--pp-degree {layout.pp}: pipeline stages of a mixture of experts are not offered yet; "
+                         "use --pp-degree 1")
+    if ep == 1:
+        return
+    if layout.dp % ep:
+        raise UsageError(f"--ep-degree {ep} does not divide the {layout.dp} data-parallel ranks it is carved "
+                         "out of; choose a divisor of the data-parallel degree")
+    if s.n_experts % ep:
+        raise UsageError(f"--ep-degree {ep} does not divide the {s.n_experts} experts of each MoE layer; "
+                         f"choose a divisor of {s.n_experts}")
+    if workload.strategy == "zero1":
+        raise UsageError(f"--ep-degree {ep} with --strategy zero1 is not offered: torch's ZeroRedundancyOptimizer "
+                         "cannot hold the experts' DTensor parameters; use --strategy ddp or fsdp")
+
+
+def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int, pp: int = 1,
+            ep: int = 1) -> list[Layout]:
     """One layout per node count, or per total rank count (a count below one node's ranks
     is one partly used node)."""
     if nodes is not None and ranks is not None:
@@ -1213,17 +1405,17 @@ def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, 
         for count in nodes or [1]:
             if count < 1:
                 raise UsageError(f"--nodes must be at least 1, got {count}")
-        return [Layout(count, rpn, tp, pp) for count in (nodes or [1])]
+        return [Layout(count, rpn, tp, pp, ep) for count in (nodes or [1])]
     result = []
     for count in ranks:
         if count < 1:
             raise UsageError(f"--ranks must be at least 1, got {count}")
         if count <= rpn:
-            result.append(Layout(1, count, tp, pp))
+            result.append(Layout(1, count, tp, pp, ep))
         elif count % rpn:
             raise UsageError(f"--ranks {count} is not a whole number of {rpn}-rank nodes of {cluster.name}")
         else:
-            result.append(Layout(count // rpn, rpn, tp, pp))
+            result.append(Layout(count // rpn, rpn, tp, pp, ep))
     return result
 
 

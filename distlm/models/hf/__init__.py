@@ -3,7 +3,8 @@ tensor by tensor, so an 8B model streams with one tensor in memory and a rank ca
 only the tensors (or rows) it holds.
 
 One ``HFAdapter`` per model (``hf/common.py``), the single place where its mapping details
-live: ``hf/llama.py`` (LlamaForCausalLM) and ``hf/roberta.py`` (RobertaForMaskedLM).
+live: ``hf/llama.py`` (LlamaForCausalLM), ``hf/roberta.py`` (RobertaForMaskedLM) and
+``hf/moe.py`` (Qwen3MoeForCausalLM, MixtralForCausalLM).
 
 Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).
 ``load_hf_model`` and ``write_hf_directory`` below put the pieces together; ``io`` reads
@@ -21,12 +22,15 @@ import torch
 from torch import nn
 
 from distlm.errors import UsageError
-from distlm.models.hf import io, llama, roberta
+from distlm.models.hf import io, llama, moe, roberta
 from distlm.models.hf.common import Fetch, HFAdapter, Region, SpecialTokens, refuse
 
 logger = logging.getLogger("distlm")
 
-ADAPTERS: dict[str, HFAdapter] = {adapter.model_type: adapter for adapter in (llama.ADAPTER, roberta.ADAPTER)}
+ADAPTERS: dict[str, HFAdapter] = {
+    adapter.model_type: adapter
+    for adapter in (llama.ADAPTER, roberta.ADAPTER, moe.QWEN3_MOE_ADAPTER, moe.MIXTRAL_ADAPTER)
+}
 
 __all__ = [
     "ADAPTERS",
@@ -58,9 +62,10 @@ def adapter_for(config: object) -> HFAdapter:
     for adapter in ADAPTERS.values():
         # The exact class: a mixture of experts' config is a LlamaConfig too, and Llama's
         # layout would drop its experts.
-        if type(config) is adapter.config_class:
+        if type(config) is adapter.config_class and adapter.holds(config):
             return adapter
-    raise UsageError(f"a {type(config).__name__} has no Hugging Face adapter; distlm exports Llama and RoBERTa models")
+    raise UsageError(f"a {type(config).__name__} has no Hugging Face adapter; distlm exports Llama, RoBERTa and "
+                     "mixture-of-experts (Qwen3-MoE, Mixtral) models")
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> tuple[type[nn.Module], Any, SpecialTokens]:
@@ -177,8 +182,8 @@ def write_hf_directory(
 
     ``distlm_tensors``: name -> tensor of the single-device model, only read for names,
     shapes and dtypes (meta tensors suffice). ``fetch(name)`` returns the real distlm
-    tensor; it is called once per Hugging Face tensor made from it, just before that is
-    written, so one tensor at a time need be in memory (e.g. read from a checkpoint).
+    tensor; it is called once, just before the first Hugging Face tensor made from it is
+    written, so one distlm tensor at a time need be in memory (e.g. read from a checkpoint).
     """
     directory = Path(directory)
     adapter = adapter_for(config)
@@ -186,9 +191,16 @@ def write_hf_directory(
     if not specs:
         raise ValueError("no tensors to write")
 
+    # The pieces of the last distlm tensor fetched: a mixture of experts' stacked experts make
+    # one file tensor per expert, written one after another, and are fetched once for all.
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
     def fetch_hf(hf_name: str) -> torch.Tensor:
         source = specs[hf_name][1]
-        return dict(adapter.to_hf(config, source, fetch(source)))[hf_name]
+        if source not in made:
+            made.clear()
+            made[source] = dict(adapter.to_hf(config, source, fetch(source)))
+        return made[source][hf_name]
 
     paths = io.write_safetensors(directory, [spec for spec, _ in specs.values()], fetch_hf, max_shard_size)
     dtype = next(iter(specs.values()))[0].dtype

@@ -80,7 +80,7 @@ def require(hf_config: dict[str, Any], defaults: dict[str, Any], key: str, allow
 @dataclass(frozen=True)
 class HFAdapter:
     """One Hugging Face model type and distlm's model of it: the single place where the
-    mapping between the two lives (an instance per model, ``hf/llama.py`` and ``hf/roberta.py``).
+    mapping between the two lives (an instance per model: ``hf/llama.py``, ``hf/roberta.py``, two in ``hf/moe.py``).
     Tensor names are the single-device model's (``state_dict()`` keys of an unwrapped model)."""
 
     model_type: str
@@ -100,3 +100,6 @@ class HFAdapter:
     shard), reading little more than that."""
     to_hf: Callable[[Any, str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]]
     """(config, name, tensor) -> the (Hugging Face name, tensor) pairs made from one distlm tensor."""
+    holds: Callable[[Any], bool] = lambda config: True
+    """Whether a ``config_class`` config is of this layout (one config class, several layouts:
+    a mixture of experts exports as Qwen3-MoE or Mixtral)."""

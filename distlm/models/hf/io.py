@@ -79,11 +79,13 @@ _SIZE_LIMITS = {
     "vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "head_dim": 1 << 16,
     "num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14,
     "max_position_embeddings": 1 << 27, "original_max_position_embeddings": 1 << 27, "type_vocab_size": 1 << 10,
+    "moe_intermediate_size": 1 << 22, "num_experts": 1 << 16, "num_local_experts": 1 << 16,
+    "num_experts_per_tok": 1 << 16, "decoder_sparse_step": 1 << 12, "sliding_window": 1 << 27,
 }
 _NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta", "attention_dropout", "hidden_dropout_prob",
             "attention_probs_dropout_prob", "initializer_range", "factor", "low_freq_factor", "high_freq_factor",
-            "partial_rotary_factor")
-_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+            "partial_rotary_factor", "router_aux_loss_coef", "router_jitter_noise")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window")
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")
 
 

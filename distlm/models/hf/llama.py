@@ -131,9 +131,24 @@ def config_from_hf(hf_config: dict[str, Any]) -> tuple[LlamaConfig, SpecialToken
     if hf_config.get("model_type") != MODEL_TYPE:
         raise refuse("model_type", hf_config.get("model_type"), f"expected {MODEL_TYPE}")
     check_architectures(hf_config, ARCHITECTURE)
-    require(hf_config, DEFAULTS, "hidden_act", ("silu",), "distlm's Llama feed-forward is SwiGLU with silu")
-    require(hf_config, DEFAULTS, "attention_bias", (False,), "distlm's Llama attention projections have no bias")
     require(hf_config, DEFAULTS, "mlp_bias", (False,), "distlm's Llama feed-forward projections have no bias")
+    fields, tokens = llama_fields(hf_config, DEFAULTS, DEFAULT_ROPE_THETA)
+    config = LlamaConfig(**fields)
+    config.validate()
+    return config, tokens
+
+
+def llama_fields(
+    hf_config: dict[str, Any], defaults: dict[str, Any], default_theta: float
+) -> tuple[dict[str, Any], SpecialTokens]:
+    """The LlamaConfig fields of a ``config.json`` of Llama's blocks (Llama's own, and the
+    mixtures of experts built on them, hf/moe.py), and its special token ids.
+
+    ``defaults``: the transformers config class's defaults for absent keys;
+    ``default_theta``: its rope theta when the file gives none.
+    """
+    require(hf_config, defaults, "hidden_act", ("silu",), "distlm's Llama feed-forward is SwiGLU with silu")
+    require(hf_config, defaults, "attention_bias", (False,), "distlm's Llama attention projections have no bias")
 
     rope_key, rope, type_key = _rope_settings(hf_config)
     rope_type = rope.get(type_key, "default")
@@ -143,7 +158,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> tuple[LlamaConfig, SpecialToken
     if partial is not None and partial != 1.0:
         raise refuse("partial_rotary_factor", partial, "distlm rotates every dimension of a head (1.0)")
     rope_fields: dict[str, Any] = {}
-    max_seq_len = setting(hf_config, DEFAULTS, "max_position_embeddings")
+    max_seq_len = setting(hf_config, defaults, "max_position_embeddings")
     if rope_type == "llama3":
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if name not in rope:
@@ -156,31 +171,30 @@ def config_from_hf(hf_config: dict[str, Any]) -> tuple[LlamaConfig, SpecialToken
             "rope_original_max_seq_len": int(rope.get("original_max_position_embeddings", max_seq_len)),
         }
 
-    dim = setting(hf_config, DEFAULTS, "hidden_size")
-    n_heads = setting(hf_config, DEFAULTS, "num_attention_heads")
-    kv_heads = setting(hf_config, DEFAULTS, "num_key_value_heads") or n_heads
-    head_dim = setting(hf_config, DEFAULTS, "head_dim") or dim // n_heads
-    tokens = SpecialTokens.from_hf(hf_config, DEFAULTS)
-    config = LlamaConfig(
+    dim = setting(hf_config, defaults, "hidden_size")
+    n_heads = setting(hf_config, defaults, "num_attention_heads")
+    kv_heads = setting(hf_config, defaults, "num_key_value_heads") or n_heads
+    head_dim = setting(hf_config, defaults, "head_dim") or dim // n_heads
+    tokens = SpecialTokens.from_hf(hf_config, defaults)
+    fields = dict(
         dim=dim,
-        n_layers=setting(hf_config, DEFAULTS, "num_hidden_layers"),
+        n_layers=setting(hf_config, defaults, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=None if kv_heads == n_heads else kv_heads,
         head_size=None if dim % n_heads == 0 and head_dim == dim // n_heads else head_dim,
-        ffn_dim=setting(hf_config, DEFAULTS, "intermediate_size"),
-        norm_eps=float(setting(hf_config, DEFAULTS, "rms_norm_eps")),
-        rope_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", DEFAULT_ROPE_THETA))),
+        ffn_dim=setting(hf_config, defaults, "intermediate_size"),
+        norm_eps=float(setting(hf_config, defaults, "rms_norm_eps")),
+        rope_theta=float(rope.get("rope_theta", hf_config.get("rope_theta", default_theta))),
         rope_type=rope_type,
         **rope_fields,
-        tie_word_embeddings=bool(setting(hf_config, DEFAULTS, "tie_word_embeddings")),
+        tie_word_embeddings=bool(setting(hf_config, defaults, "tie_word_embeddings")),
         max_seq_len=max_seq_len,
         dropout=0.0,
-        attention_dropout=float(setting(hf_config, DEFAULTS, "attention_dropout")),
-        vocab_size=setting(hf_config, DEFAULTS, "vocab_size"),
+        attention_dropout=float(setting(hf_config, defaults, "attention_dropout")),
+        vocab_size=setting(hf_config, defaults, "vocab_size"),
         padding_idx=padding_idx_of(tokens),
     )
-    config.validate()
-    return config, tokens
+    return fields, tokens
 
 
 def padding_idx_of(tokens: SpecialTokens) -> int:
@@ -200,6 +214,20 @@ def padding_idx_of(tokens: SpecialTokens) -> int:
 
 def config_to_hf(config: LlamaConfig, tokens: SpecialTokens, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of ``config`` for transformers' LlamaForCausalLM."""
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        **llama_settings(config),
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        **tokens.to_hf(),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def llama_settings(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` settings of Llama's blocks, which the mixtures of experts built on
+    them share (hf/moe.py); ``intermediate_size`` is the dense feed-forward's."""
     if config.dim % config.n_heads != 0:
         raise UsageError(
             f"model setting n_heads={config.n_heads} does not divide dim={config.dim}, which transformers' "
@@ -214,8 +242,6 @@ def config_to_hf(config: LlamaConfig, tokens: SpecialTokens, dtype: torch.dtype)
             original_max_position_embeddings=config.rope_original_max_seq_len,
         )
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
         "intermediate_size": config.ffn_hidden_dim,
@@ -228,17 +254,13 @@ def config_to_hf(config: LlamaConfig, tokens: SpecialTokens, dtype: torch.dtype)
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": config.attention_dropout,
         "rope_parameters": rope,
         # transformers 4.x's form of the same settings; 5.x reads it as well.
         "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
-        **tokens.to_hf(),
-        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
