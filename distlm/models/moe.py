@@ -345,13 +345,17 @@ class MoEBlock(LlamaBlock):
 class MoECausalLM(LlamaCausalLM):
     """A Llama causal LM whose feed-forward is a mixture of experts (see the module docstring)."""
 
-    # Tensor parallel splits Llama's dense layers only; distlm refuses --tp-degree for this
-    # family until experts have a plan of their own (distlm/validation.py).
-    tp_plan: dict[str, str] = {}
-
     def __init__(self, config: MoEConfig) -> None:
         super().__init__(config)
-        self.tp_plan = {}
+        # Tensor parallel splits Llama's attention and dense feed-forwards and leaves each MoE
+        # feed-forward whole on every tensor-parallel rank (distlm/parallel/expert.py says why);
+        # Qwen3's query/key norms see the rank's own heads. Entries only for modules the model has.
+        dense = any(not config.is_moe_layer(index) for index in range(config.n_layers))
+        self.tp_plan = {pattern: style for pattern, style in self.tp_plan.items()
+                        if dense or not pattern.startswith("layers.*.feed_forward.")}
+        if config.qk_norm:
+            self.tp_plan.update({"layers.*.attention.q_norm": "head_norm", "layers.*.attention.k_norm": "head_norm"})
+        self.tp_divisible = ("n_heads", "ffn_hidden_dim") if dense else ("n_heads",)
 
     def build_block(self, config: MoEConfig, index: int) -> nn.Module:
         return MoEBlock(config, index)
