@@ -1,12 +1,19 @@
-"""Expert parallelism combined with tensor parallelism trains the same mixture of experts as one process.
+"""Expert parallelism combined with tensor and pipeline parallelism trains the same mixture of experts as one process.
 
-EP 2 x TP 2 on 4 ranks (tensor parallel 2 inside each of 2 data-parallel replicas, the
-expert-parallel groups carved from the data-parallel ranks of each tensor-parallel place:
-distlm/parallel/expert.py) runs UPDATES updates of the same global batch as a
-single-process reference computed here, for both router setups of
-tests/test_expert_parallel.py (softmax router with the aux loss; sigmoid router with its
-bias update, a shared expert and the aux loss), and the consolidated parameters, gradient
-norms and train-line routing statistics are compared. Both setups share one 4-rank job.
+Each 4-rank layout runs UPDATES updates of the same global batch as a single-process
+reference computed here, and the consolidated parameters, gradient norms and train-line
+routing statistics (aux loss, load imbalance, dropped tokens) are compared:
+
+- EP 2 x TP 2: tensor parallel 2 inside each of 2 data-parallel replicas, the expert-parallel
+  groups carved from the data-parallel ranks of each tensor-parallel place
+  (distlm/parallel/expert.py); and TP 2 x DP 2 without expert parallel;
+- EP 2 x PP 2: 2 pipeline stages, expert parallel over each stage's 2 data-parallel ranks
+  (DDP, and FSDP for the dense parameters). A pipeline routes each of its micro-batches apart,
+  so its reference is one process training on the same micro-batches (``train_in_micro_batches``).
+
+Both router setups of tests/test_expert_parallel.py run under EP 2 x TP 2 and EP 2 x PP 2
+(softmax with the aux loss; sigmoid with its bias update, a shared expert and the aux loss),
+the softmax one under the other two layouts. All share one 4-rank job.
 """
 
 from __future__ import annotations
@@ -16,45 +23,84 @@ import pytest
 import torch
 
 from distributed import Scenarios
+from distlm.config import parse_args
+from distlm.data.batches import with_host_facts
+from distlm.parallel.full_state import consolidated_parameters
+from distlm.trainer import Trainer
 from test_ddp import assert_params_close
 from test_expert_parallel import UPDATES, args_for, train
 
-# Tolerance: the same fp32 reassociation as tests/test_expert_parallel.py's PARAM_ATOL argues
-# (measured there 2e-7 to 8e-7), plus tensor parallel's: the attention output projection sums
-# two half-head partial products across ranks, and the query/key norms' gradients are summed
-# over the ranks' heads. Adam bounds the effect by lr * dg / eps as before. A wrong reduction
-# (say, expert gradients or the norms' gradients not summed) moves some parameter by ~lr (1e-3).
+# Tolerance: the same fp32 reassociation as tests/test_expert_parallel.py's PARAM_ATOL argues,
+# plus tensor parallel's (the attention output projection sums two half-head partial products
+# across ranks, the query/key norms' gradients are summed over the ranks' heads) and the
+# pipeline's (gradients accumulated over its micro-batches); Adam bounds the effect by
+# lr * dg / eps as before. Measured after 3 updates: up to 6e-7 under TP, 2e-7 under PP. A wrong
+# reduction or weight moves some parameter by ~lr (1e-3) per update: the norms' gradients left
+# unsummed over TP, the aux loss weighted per --update-freq batch instead of per pipeline
+# micro-batch, or the shape-inference forward of the pipeline's first step counted in the routing
+# statistics each ended 1e-3 to 4e-3 off.
 PARAM_ATOL = 5e-6
 pytestmark = pytest.mark.timeout(900)
 
-LAYOUTS = {"ep2-tp2": ["--ep-degree", "2", "--tp-degree", "2"]}
+LAYOUTS = {"ep2-tp2": ["--ep-degree", "2", "--tp-degree", "2"],
+           "tp2": ["--tp-degree", "2"],
+           "ep2-pp2": ["--ep-degree", "2", "--pp-degree", "2", "--pp-microbatches", "2"],
+           "ep2-pp2-fsdp": ["--ep-degree", "2", "--pp-degree", "2", "--pp-microbatches", "2", "--strategy", "fsdp"]}
+CASES = [("ep2-tp2", "softmax"), ("ep2-tp2", "sigmoid"), ("tp2", "softmax"), ("ep2-pp2", "softmax"),
+         ("ep2-pp2", "sigmoid"), ("ep2-pp2-fsdp", "softmax")]
+# The pipeline's micro-batches as rows of the global batch: each of its 2 data-parallel ranks
+# holds 4 consecutive rows (distlm/data/sampler.py) and splits them into 2 micro-batches of 2.
+PIPELINE_MICRO_BATCHES = [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def train_in_micro_batches(args: list[str], groups: list[list[int]]) -> dict:
+    """One process training on the global batch split into micro-batches of the rows ``groups``
+    (as --update-freq splits it), with ``train``'s results."""
+    trainer = Trainer(parse_args(args))
+    batches = trainer.update_batches()
+    records = []
+    for _ in range(UPDATES):
+        (batch,) = next(batches)
+        micro_batches = [with_host_facts({key: batch[key][rows] for key in ("input_ids", "targets")},
+                                         trainer.model.padding_idx, "masked_positions" in batch)
+                         for rows in map(torch.tensor, groups)]
+        record = trainer.train_step(micro_batches)
+        records.append({key: record[key] for key in ("gnorm", "aux_loss", "load_imbalance", "dropped_tokens")})
+    return {"records": records, "params": consolidated_parameters(trainer.model)}
 
 
 @pytest.fixture(scope="module")
 def references(data_dir, tmp_path_factory) -> dict:
     """One process, the global batch, per router setup."""
     root = tmp_path_factory.mktemp("reference")
-    return {router: train(args_for(data_dir, root / router, router, 1)) for router in ("softmax", "sigmoid")}
+    plain = {router: train(args_for(data_dir, root / router, router, 1)) for router in ("softmax", "sigmoid")}
+    # A pipeline routes, and takes the aux loss of, each of its micro-batches apart, as one
+    # process does each of its --update-freq micro-batches: the same micro-batches here.
+    pipelined = {router: train_in_micro_batches(args_for(data_dir, root / f"{router}-mb", router, 1),
+                                                PIPELINE_MICRO_BATCHES) for router in ("softmax", "sigmoid")}
+    return {"ep2-tp2": plain, "tp2": plain, "ep2-pp2": pipelined, "ep2-pp2-fsdp": pipelined}
 
 
 @pytest.fixture(scope="module")
 def four(data_dir, tmp_path_factory) -> dict:
-    """One 4-rank job running every layout with both router setups."""
+    """One 4-rank job running every case."""
     root = tmp_path_factory.mktemp("expert_combinations")
     # The per-rank batch is the global batch over the data-parallel ranks (2 here, not 4).
     return Scenarios(4, [
-        (f"{layout}-{router}", train, (args_for(data_dir, root / f"{layout}-{router}", router, 2, *flags),))
-        for layout, flags in LAYOUTS.items() for router in ("softmax", "sigmoid")
+        (f"{layout}-{router}", train, (args_for(data_dir, root / f"{layout}-{router}", router, 2, *LAYOUTS[layout]),))
+        for layout, router in CASES
     ], timeout=900)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("layout, router", CASES)
 def test_expert_parallel_combinations_train_like_one_process(layout, router, four, references):
     ranks = four[f"{layout}-{router}"]
-    reference = references[router]
+    reference = references[layout][router]
+    # A pipeline stage's ranks hold its own layers' parameters; together the stages hold all.
+    assert set().union(*(result["params"] for result in ranks)) == reference["params"].keys()
     for rank, result in enumerate(ranks):
-        assert_params_close(result["params"], reference["params"], PARAM_ATOL)
+        assert_params_close(result["params"], {name: reference["params"][name] for name in result["params"]},
+                            PARAM_ATOL)
         # The train line's numbers are every rank's: global statistics, as one process counts them.
         # Loads are integer counts (exact); the aux loss sums router probabilities in another order.
         for mine, theirs in zip(result["records"], reference["records"]):

@@ -68,14 +68,14 @@ def check_expert_parallel(model: nn.Module, dims: ParallelDims, name: str, seque
         # docstring); sequence shards would need the experts' groups to span those ranks.
         raise UsageError(f"--sequence-parallel with a mixture of experts ({name}) is not offered: its MoE layers "
                          "take the replicated activations of plain tensor parallel; drop --sequence-parallel")
-    if layers and dims.pp_enabled:
-        raise UsageError(f"--pp-degree {dims.pp}: pipeline stages of a mixture of experts ({name}) are not "
-                         "offered yet; use --pp-degree 1")
     if not dims.ep_enabled:
         return
     if not layers:
         raise UsageError(f"--ep-degree {dims.ep} splits the experts of MoE layers, and {name} has none; drop "
                          "--ep-degree or train a mixture of experts (e.g. --arch qwen3_moe_tiny)")
+    if dims.tp_enabled and dims.pp_enabled:
+        raise UsageError(f"--ep-degree {dims.ep} with both --tp-degree {dims.tp} and --pp-degree {dims.pp} is not "
+                         "offered (each of them is, with expert parallel); drop one")
     experts = layers[0].n_experts
     if experts % dims.ep:
         raise UsageError(f"--ep-degree {dims.ep} does not divide the {experts} experts of each MoE layer of {name}; "
@@ -186,6 +186,23 @@ def statistics_group(dims: ParallelDims) -> dist.ProcessGroup:
             if rank in peers:
                 mine = group
     return mine
+
+
+def routing_over_stages(routing: dict, group: dist.ProcessGroup, device: torch.device) -> dict:
+    """``finish_update``'s numbers of this pipeline stage's MoE layers ({} where it holds none)
+    made the whole model's on every rank of ``group`` (the pipeline, collective): the aux
+    losses summed over the stages' layers, as one process sums them over its layers, the
+    worst layer's load imbalance, the dropped tokens summed."""
+    keys = ("aux_loss", "load_imbalance", "dropped_tokens")
+    mine = torch.tensor([float(bool(routing)), *(float(routing.get(key, 0)) for key in keys)],
+                        dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    stages = [row for row in torch.stack(gathered).tolist() if row[0] > 0]
+    if not stages:
+        return {}
+    return {"aux_loss": sum(row[1] for row in stages), "load_imbalance": max(row[2] for row in stages),
+            "dropped_tokens": int(sum(row[3] for row in stages))}
 
 
 def shard_experts(layers: list[MoEFeedForward], mesh: DeviceMesh) -> list[nn.Parameter]:
