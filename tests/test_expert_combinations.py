@@ -25,7 +25,10 @@ import torch
 from distributed import Scenarios
 from distlm.config import parse_args
 from distlm.data.batches import with_host_facts
+from distlm.models import build_model
+from distlm.models.contract import model_tp_plan
 from distlm.parallel.full_state import consolidated_parameters
+from distlm.parallel.tp import _resolve
 from distlm.trainer import Trainer
 from test_ddp import assert_params_close
 from test_expert_parallel import UPDATES, args_for, train
@@ -108,3 +111,14 @@ def test_expert_parallel_combinations_train_like_one_process(layout, router, fou
             np.testing.assert_allclose(mine["aux_loss"], theirs["aux_loss"], rtol=1e-5, err_msg=f"rank {rank}")
             assert mine["load_imbalance"] == theirs["load_imbalance"], rank
             assert mine["dropped_tokens"] == theirs["dropped_tokens"] == 0
+
+
+def test_the_tensor_parallel_plan_splits_attention_and_dense_layers_and_keeps_experts_whole():
+    """Every MoE layer (router, experts) stays out of the plan; a dense feed-forward between
+    them splits as Llama's, and the query/key norms take their per-head style."""
+    with torch.device("meta"):
+        model = build_model("qwen3_moe_tiny", vocab_size=50, n_layers=2, moe_every=2)
+    styles = _resolve(model, model_tp_plan(model))
+    assert styles["layers.0.feed_forward.w1"] == "colwise" and styles["layers.1.attention.wq"] == "colwise"
+    assert styles["layers.0.attention.q_norm"] == styles["layers.1.attention.k_norm"] == "head_norm"
+    assert not any(name.startswith("layers.1.feed_forward.") for name in styles)

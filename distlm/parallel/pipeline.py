@@ -15,6 +15,10 @@ the first and the last stage, one copy each, equal at the start; their gradients
 between the two after every update's backward (Megatron's embedding group), so the copies
 stay bit-identical. The loss exists on the last stage; its sum is reduced over the pipeline
 so every rank logs, validates and checks the same number.
+
+A mixture of experts' MoE layers (distlm/parallel/expert.py) run in their stages: each
+pipeline micro-batch is routed, counted and given its aux loss apart, as one process does an
+``--update-freq`` micro-batch, and the train line's routing numbers are summed over the stages.
 """
 
 from __future__ import annotations
