@@ -136,17 +136,29 @@ class ParallelDims:
         return self._group(self.build_mesh(device_type), "tp")
 
     def ep_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The ("ep_replica", "ep") mesh over the data-parallel ranks: "ep" groups ``ep``
-        consecutive ranks (neighbours, as tensor parallel's are), which split the experts;
-        "ep_replica" the ranks holding the same experts. None without expert parallel.
-        Expert parallel runs on a data-parallel world (no tensor or pipeline parallel), so the
-        data-parallel ranks are all the ranks."""
+        """The ("ep_replica", "ep") mesh over this rank's data-parallel ranks (those of its
+        pipeline stage and tensor-parallel place): "ep" groups ``ep`` consecutive ones
+        (neighbours, as tensor parallel's are), which split the experts; "ep_replica" the
+        ranks holding the same experts. None without expert parallel. Under tensor parallel
+        every tensor-parallel place has experts of its own, as each sees its replica's
+        whole batch (distlm/parallel/expert.py)."""
         if not self.ep_enabled:
             return None
         if self._ep_mesh is None:
-            self._ep_mesh = init_device_mesh(device_type, (self.ep_replicas, self.ep),
-                                             mesh_dim_names=("ep_replica", "ep"))
+            if not self.tp_enabled and not self.pp_enabled:
+                self._ep_mesh = init_device_mesh(device_type, (self.ep_replicas, self.ep),
+                                                 mesh_dim_names=("ep_replica", "ep"))
+            else:
+                mesh = self.build_mesh(device_type)
+                self._ep_mesh = mesh["dp"]._unflatten(0, (self.ep_replicas, self.ep), ("ep_replica", "ep"))
         return self._ep_mesh
+
+    def dp_peers(self, rank: int) -> list[int]:
+        """The data-parallel ranks of ``rank``'s pipeline stage and tensor-parallel place,
+        which see the different parts of one global batch."""
+        stage, (_, tp_rank) = self.pp_rank(rank), self.coordinates(rank)
+        return [other for other in range(self.world_size)
+                if self.pp_rank(other) == stage and self.coordinates(other)[1] == tp_rank]
 
     def _group(self, mesh: DeviceMesh, name: str) -> dist.ProcessGroup:
         if name not in self._groups:

@@ -52,7 +52,9 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     gradient_loss_scale = handle.gradient_loss_scale(loss_scale)
     # A mixture of experts' auxiliary loss takes the weight the mean cross-entropy gets,
     # averaged over the micro-batches (distlm/models/moe.py); a dense model has none.
-    set_aux_loss_weight(trainer.model, float(ctx.dims.dp * loss_scale / len(tensors)))
+    # A pipeline splits each into micro-batches of its own, each routed (and its aux loss taken) apart.
+    forwards = len(tensors) * (trainer.pipeline.microbatches if trainer.pipeline is not None else 1)
+    set_aux_loss_weight(trainer.model, float(ctx.dims.dp * loss_scale / forwards))
 
     trainer.model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -98,6 +100,8 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
                 place = locate_nonfinite(trainer.model, tensors, trainer.compute_loss, factor, ctx.all_gather_object)
             raise DivergenceError(f"update {update}: {err}; first non-finite: {place}") from None
     routing = finish_update(trainer.model, applied)  # a mixture of experts' statistics, its bias step
+    if trainer.pipeline is not None:
+        routing = trainer.pipeline.routing(routing)  # every stage's MoE layers
     progress.consumed_samples += trainer.sampler.samples_in_update(progress.consumed_samples)  # before _done(), which --max-epoch reads
     if trainer._done() or progress.num_updates % trainer.config.logging.log_interval == 0:
         # Measured while gradients still exist: zero_grad below frees them.

@@ -150,7 +150,7 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
         )
     if config.data.document_mask:
         check_document_mask(model, config, dims, name)
-    check_expert_parallel(model, dims, name)
+    check_expert_parallel(model, dims, name, dims.tp_enabled and config.distributed.sequence_parallel)
     if dims.tp_enabled:
         validate_tp(
             model, dims.tp, sequence_parallel=config.distributed.sequence_parallel,

@@ -189,11 +189,10 @@ def env_of(world_size: int) -> ClusterEnv:
                                                       "llama_tiny has none"),
     (2, ["--ep-degree", "2", "--strategy", "zero1"], "--ep-degree 2 with --strategy zero1 is not offered"),
     (2, ["--ep-degree", "2", "--comm-hook", "fp16"], "are DDP communication hooks, and with --ep-degree 2"),
-    (4, ["--ep-degree", "2", "--tp-degree", "2"], "--ep-degree 2 does not divide the 2 data-parallel ranks|"
-                                                   "--ep-degree 2 with --tp-degree 2 is not offered"),
-    (4, ["--ep-degree", "2", "--tp-degree", "2", "--dp-degree", "2"], "with --tp-degree 2 is not offered"),
-    (2, ["--tp-degree", "2"], "declares no tp_plan"),
-    (2, ["--pp-degree", "2"], "pipeline stages of a mixture of experts"),
+    (4, ["--ep-degree", "4", "--tp-degree", "2"], "--ep-degree 4 does not divide the 2 data-parallel ranks"),
+    (4, ["--ep-degree", "2", "--tp-degree", "2", "--sequence-parallel"],
+     "--sequence-parallel with a mixture of experts .* is not offered"),
+    (8, ["--ep-degree", "2", "--tp-degree", "2", "--pp-degree", "2"], "with both --tp-degree 2 and --pp-degree 2"),
 ])
 def test_layouts_experts_cannot_take_are_refused_in_one_line(world, flags, message):
     args = ["--arch", "qwen3_moe_tiny", "--device", "cpu", "--tokens-per-sample", "32", *flags]

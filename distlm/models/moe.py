@@ -262,11 +262,24 @@ class MoEFeedForward(nn.Module):
 
     def reset_statistics(self) -> None:
         """Forget what the micro-batches since the last update routed."""
-        self.tokens_per_expert: torch.Tensor | None = None
+        self.routed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per micro-batch since the last update: the tokens of its global batch routed to each
+        expert and its auxiliary loss, coefficient included (float64). Kept apart so that a
+        pipeline can drop the forwards its schedule runs only to infer shapes."""
+
+    @property
+    def micro_batches(self) -> int:
+        return len(self.routed)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
         """Tokens of the global batch routed to each expert since the last update (float64)."""
-        self.aux_loss_sum: torch.Tensor | None = None
+        return torch.stack([counts for counts, _ in self.routed]).sum(0) if self.routed else None
+
+    @property
+    def aux_loss_sum(self) -> torch.Tensor | None:
         """Sum of the micro-batches' auxiliary losses, coefficient included (float64)."""
-        self.micro_batches = 0
+        return torch.stack([aux for _, aux in self.routed]).sum() if self.routed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -309,12 +322,7 @@ class MoEFeedForward(nn.Module):
             share = global_counts / (tokens * self.top_k)
             if not _recomputing():
                 aux_value = self.aux_loss_coef * self.n_experts * (share * global_probs / tokens).sum()
-                if self.tokens_per_expert is None:
-                    self.tokens_per_expert, self.aux_loss_sum = global_counts.clone(), aux_value
-                else:
-                    self.tokens_per_expert += global_counts
-                    self.aux_loss_sum = self.aux_loss_sum + aux_value
-                self.micro_batches += 1
+                self.routed.append((global_counts.clone(), aux_value))
         if self.aux_loss_coef == 0:
             return None
         scale = self.aux_loss_coef * self.n_experts / tokens.float()
@@ -345,24 +353,29 @@ class MoEBlock(LlamaBlock):
 class MoECausalLM(LlamaCausalLM):
     """A Llama causal LM whose feed-forward is a mixture of experts (see the module docstring)."""
 
-    # Tensor parallel splits Llama's dense layers only; distlm refuses --tp-degree for this
-    # family until experts have a plan of their own (distlm/validation.py).
-    tp_plan: dict[str, str] = {}
-
     def __init__(self, config: MoEConfig) -> None:
         super().__init__(config)
-        self.tp_plan = {}
+        # Tensor parallel splits Llama's attention and dense feed-forwards and leaves each MoE
+        # feed-forward whole on every tensor-parallel rank (distlm/parallel/expert.py says why);
+        # Qwen3's query/key norms see the rank's own heads. Entries only for modules the model has.
+        dense = any(not config.is_moe_layer(index) for index in range(config.n_layers))
+        self.tp_plan = {pattern: style for pattern, style in self.tp_plan.items()
+                        if dense or not pattern.startswith("layers.*.feed_forward.")}
+        if config.qk_norm:
+            self.tp_plan.update({"layers.*.attention.q_norm": "head_norm", "layers.*.attention.k_norm": "head_norm"})
+        self.tp_divisible = ("n_heads", "ffn_hidden_dim") if dense else ("n_heads",)
 
     def build_block(self, config: MoEConfig, index: int) -> nn.Module:
         return MoEBlock(config, index)
 
-    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Llama's forward; the MoE layers learn which tokens are padding (the data's padding id,
-        which the trainer counts as no input token either), to leave them out of their statistics."""
+    def block_args(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Llama's; the MoE layers learn which tokens are padding (the data's padding id, which
+        the trainer counts as no input token either), to leave them out of their statistics.
+        Here, not in forward, so that each pipeline stage, which runs this with the ids, sets it."""
         real = input_ids.ne(self.config.padding_idx).flatten()
         for layer in moe_layers(self):
             layer.real_tokens = real
-        return super().forward(input_ids, document_ids)
+        return super().block_args(input_ids, document_ids)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -23,6 +23,19 @@
   ``replicate``: torch DDP fails in backward beside DTensor parameters even when told
   to ignore them). The experts' gradients are left out of it and reduced by
   ``ExpertGradients`` over the ranks holding the same experts.
+
+Under tensor parallel the attention and dense feed-forward layers split over the
+tensor-parallel ranks (the family's ``tp_plan``), and each MoE layer (router, shared
+and routed experts) is replicated over them: without sequence parallel the residual
+stream is replicated there, so every tensor-parallel rank of a replica holds the same
+tokens. The expert-parallel groups are carved from the data-parallel ranks of one
+tensor-parallel place (``ParallelDims.ep_mesh``), as torchtitan and Megatron carve them
+from data parallel: each place routes each of its replica's tokens once, within its own
+group, and no group sees a token twice. Spanning the tensor-parallel ranks instead
+(torchtitan's borrowing of TP ranks) needs the tokens split over them, i.e. sequence
+parallel, which a mixture of experts refuses here. The places compute the same expert
+gradients, so those are still summed over ``ep_replica`` alone, and the routing
+statistics over the data-parallel ranks of one place (``statistics_group``).
 """
 
 from __future__ import annotations
@@ -46,20 +59,23 @@ from distlm.models.moe import MoEFeedForward, local_tensor, moe_layers
 logger = logging.getLogger("distlm")
 
 
-def check_expert_parallel(model: nn.Module, dims: ParallelDims, name: str) -> None:
+def check_expert_parallel(model: nn.Module, dims: ParallelDims, name: str, sequence_parallel: bool = False) -> None:
     """UsageError for a layout the model's experts cannot take (a meta model is enough),
     before any rendezvous."""
     layers = moe_layers(model)
-    if layers and dims.pp_enabled:
-        raise UsageError(f"--pp-degree {dims.pp}: pipeline stages of a mixture of experts ({name}) are not "
-                         "offered yet; use --pp-degree 1")
+    if layers and sequence_parallel:
+        # The MoE layers route the replica's whole batch on every tensor-parallel rank (module
+        # docstring); sequence shards would need the experts' groups to span those ranks.
+        raise UsageError(f"--sequence-parallel with a mixture of experts ({name}) is not offered: its MoE layers "
+                         "take the replicated activations of plain tensor parallel; drop --sequence-parallel")
     if not dims.ep_enabled:
         return
     if not layers:
         raise UsageError(f"--ep-degree {dims.ep} splits the experts of MoE layers, and {name} has none; drop "
                          "--ep-degree or train a mixture of experts (e.g. --arch qwen3_moe_tiny)")
-    if dims.tp_enabled:
-        raise UsageError(f"--ep-degree {dims.ep} with --tp-degree {dims.tp} is not offered yet; use one of them")
+    if dims.tp_enabled and dims.pp_enabled:
+        raise UsageError(f"--ep-degree {dims.ep} with both --tp-degree {dims.tp} and --pp-degree {dims.pp} is not "
+                         "offered (each of them is, with expert parallel); drop one")
     experts = layers[0].n_experts
     if experts % dims.ep:
         raise UsageError(f"--ep-degree {dims.ep} does not divide the {experts} experts of each MoE layer of {name}; "
@@ -133,8 +149,13 @@ def apply_moe(model: nn.Module, dims: ParallelDims, device: torch.device, comput
     logger.info("mixture of experts: %d MoE layers of %d experts, top-%d, dropless; experts run %s (%s)",
                 len(layers), layers[0].n_experts, layers[0].top_k,
                 "as one grouped GEMM" if use_grouped else "in a loop over experts", why)
+    if dims.tp_enabled:
+        logger.info("mixture of experts under tensor parallel: each MoE layer's router and experts whole on each of "
+                    "the %d tensor-parallel ranks, which route the same tokens (no sequence parallel)%s", dims.tp,
+                    "; expert parallel within the data-parallel ranks of each tensor-parallel place"
+                    if dims.ep_enabled else "")
     if dims.dp_enabled:
-        group = dist.new_group(ranks=list(range(dist.get_world_size())))
+        group = statistics_group(dims)
         for layer in layers:
             layer.reduce_statistics = functools.partial(dist.all_reduce, group=group)
     if not dims.ep_enabled:
@@ -150,6 +171,38 @@ def apply_moe(model: nn.Module, dims: ParallelDims, device: torch.device, comput
                 f"their gradients summed over the {dims.ep_replicas} ranks holding the same experts"
                 if dims.ep_replicas > 1 else "each expert on one rank")
     return ExpertGradients(params, replicas, dims.dp)
+
+
+def statistics_group(dims: ParallelDims) -> dist.ProcessGroup:
+    """This rank's data-parallel peers (``ParallelDims.dp_peers``) as a group of its own
+    (collective: every rank creates every group, as new_group requires). Tensor-parallel
+    ranks of a replica route the same tokens and pipeline stages hold other layers, so
+    the statistics of one MoE layer's global batch are the sum over these ranks alone."""
+    rank, mine = dist.get_rank(), None
+    for first in range(dims.world_size):
+        peers = dims.dp_peers(first)
+        if peers[0] == first:  # each group once, in the same order on every rank
+            group = dist.new_group(ranks=peers)
+            if rank in peers:
+                mine = group
+    return mine
+
+
+def routing_over_stages(routing: dict, group: dist.ProcessGroup, device: torch.device) -> dict:
+    """``finish_update``'s numbers of this pipeline stage's MoE layers ({} where it holds none)
+    made the whole model's on every rank of ``group`` (the pipeline, collective): the aux
+    losses summed over the stages' layers, as one process sums them over its layers, the
+    worst layer's load imbalance, the dropped tokens summed."""
+    keys = ("aux_loss", "load_imbalance", "dropped_tokens")
+    mine = torch.tensor([float(bool(routing)), *(float(routing.get(key, 0)) for key in keys)],
+                        dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    stages = [row for row in torch.stack(gathered).tolist() if row[0] > 0]
+    if not stages:
+        return {}
+    return {"aux_loss": sum(row[1] for row in stages), "load_imbalance": max(row[2] for row in stages),
+            "dropped_tokens": int(sum(row[3] for row in stages))}
 
 
 def shard_experts(layers: list[MoEFeedForward], mesh: DeviceMesh) -> list[nn.Parameter]:

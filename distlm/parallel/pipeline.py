@@ -15,6 +15,10 @@ the first and the last stage, one copy each, equal at the start; their gradients
 between the two after every update's backward (Megatron's embedding group), so the copies
 stay bit-identical. The loss exists on the last stage; its sum is reduced over the pipeline
 so every rank logs, validates and checks the same number.
+
+A mixture of experts' MoE layers (distlm/parallel/expert.py) run in their stages: each
+pipeline micro-batch is routed, counted and given its aux loss apart, as one process does an
+``--update-freq`` micro-batch, and the train line's routing numbers are summed over the stages.
 """
 
 from __future__ import annotations
@@ -38,11 +42,14 @@ from distlm.errors import UsageError
 from distlm.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
+from distlm.models.moe import moe_layers
 from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.names import single_device_name
 from distlm.parallel.ddp import apply_ddp
+from distlm.parallel.expert import apply_moe, expert_parameters, routing_over_stages
 from distlm.parallel.fsdp import fsdp_dtypes
 from distlm.parallel.tp import _pattern_regex, clip_grad_norm_, local_value, shard_gradients_like_parameters
+from distlm.precision import MODE_DTYPES
 
 logger = logging.getLogger("distlm")
 
@@ -326,6 +333,7 @@ class PipelineRunner:
         args = ids if self.holds_first else ()
         target = batch["targets"] if self.holds_last else None
         before = len(self._losses)
+        routed = {layer: len(layer.routed) for layer in moe_layers(self.model)}
         with contextlib.ExitStack() as unsynced:
             # The schedule arms DDP's reducer itself, before the last micro-batch's backward.
             # Its first pass also infers shapes by calling the DDP module outside no_sync, which
@@ -342,6 +350,9 @@ class PipelineRunner:
         # A schedule's first pass infers the stages' shapes by running the last stage once
         # more on uninitialised inputs, loss included: a pass's own losses are its last M.
         del self._losses[before:len(self._losses) - self.microbatches]
+        if not forward_only:
+            for layer, count in routed.items():  # so are a mixture of experts' routing statistics
+                del layer.routed[count:len(layer.routed) - self.microbatches]
 
     def _loss_sum(self) -> torch.Tensor:
         """The summed loss of the last stage's micro-batches, on every rank of the pipeline (collective)."""
@@ -362,6 +373,13 @@ class PipelineRunner:
                 self._run(self.train_schedule, batch, forward_only=False)
         self.sum_tied_gradients()
         return self._loss_sum()
+
+    def routing(self, routing: dict[str, Any]) -> dict[str, Any]:
+        """An update's routing statistics of this rank's MoE layers (``finish_update``) made the
+        whole model's on every rank of the pipeline (collective over pp where the model has MoE layers)."""
+        if not getattr(self.model.config, "n_moe_layers", 0):
+            return routing
+        return routing_over_stages(routing, self.group, self.device)
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -456,21 +474,28 @@ def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.de
     chunks = [StageChunk(model, ranges[s], s == 0, s == last_stage,
                          (layout.embed_modules if s == 0 else ()) + (layout.head_modules if s == last_stage else ()))
               for s in stage_ids]
+    dtypes = MODE_DTYPES[options.precision]
+    # A mixture of experts' layers in this stage: statistics over the stage's data-parallel ranks,
+    # experts split over its expert-parallel groups and left out of the dense wrapping.
+    expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm,
+                                 compiled=options.compile_backend is not None)
+    experts = expert_parameters(model) or None
     fsdp = dims.strategy == "fsdp" and dims.dp_enabled
     param_dtype = reduce_dtype = None
     if fsdp:
         param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
-        chunks = [_shard_chunk(chunk, mesh["dp"], param_dtype, reduce_dtype) for chunk in chunks]
-    elif dims.dp_enabled and dims.tp_enabled:
+        chunks = [_shard_chunk(chunk, mesh["dp"], param_dtype, reduce_dtype, experts) for chunk in chunks]
+    elif dims.dp_enabled and (dims.tp_enabled or experts):
+        # torch DDP fails beside the experts' DTensors (distlm/parallel/api.py): replicate, as under TP.
         for chunk in chunks:
             for block in chunk.blocks:
-                replicate(block, mesh=mesh["dp"])
-            replicate(chunk, mesh=mesh["dp"])
+                replicate(block, mesh=mesh["dp"], ignored_params=experts)
+            replicate(chunk, mesh=mesh["dp"], ignored_params=experts)
     if layout.on_meta:
         _materialise_stage(model, chunks, device, whole_model, fill_shards)
         if dims.tp_enabled:
             shard_gradients_like_parameters(model)
-    if dims.dp_enabled and not fsdp and not dims.tp_enabled:
+    if dims.dp_enabled and not fsdp and not dims.tp_enabled and not experts:
         chunks = [apply_ddp(chunk, device, dims.dp_group(device.type), options.bucket_cap_mb) for chunk in chunks]
     tied_names = sorted(set(layout.embed_modules) & set(layout.head_modules))
     tied = [p for name in tied_names if getattr(model, name, None) is not None
@@ -485,16 +510,18 @@ def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.de
         shards_optimizer_state=dims.strategy == "zero1" and dims.dp_enabled,
         mixed_precision_by_strategy=fsdp and param_dtype is not None,
         sync_bucket_mb=options.bucket_cap_mb, foreach_clip=options.foreach_clip, runner=runner,
+        expert_gradients=expert_gradients,
     )
     return model, handle
 
 
-def _shard_chunk(chunk: StageChunk, dp_mesh, param_dtype, reduce_dtype) -> nn.Module:
-    """FSDP2 per block, then the stage's own embedding and head as its root unit."""
+def _shard_chunk(chunk: StageChunk, dp_mesh, param_dtype, reduce_dtype, ignored_params=None) -> nn.Module:
+    """FSDP2 per block, then the stage's own embedding and head as its root unit;
+    ``ignored_params`` (expert parallel's experts) are left alone."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in chunk.blocks:
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    return fully_shard(chunk, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored_params)
+    return fully_shard(chunk, mesh=dp_mesh, mp_policy=policy, ignored_params=ignored_params)
 
 
 @torch.no_grad()

@@ -24,6 +24,9 @@ plan style             without --sequence-parallel                              
 ``sequence_gather``    left alone                                                 PrepareModuleInput: the first
                                                                                   input is all-gathered once for
                                                                                   all ``colwise`` children
+``head_norm``          SequenceParallel on dimension 2: a per-head norm (Qwen3's  as without
+                       query/key norms) on the rank's local heads [B, T, H, d],
+                       weight replicated, its gradient summed over the tp ranks
 ``sequence_region``    left alone                                                 a ModuleList of blocks that run
                                                                                   on sequence shards: the sequence
                                                                                   is split before the first block
@@ -101,6 +104,7 @@ STYLES = (
     "sequence_norm",
     "sequence_gather",
     "sequence_region",
+    "head_norm",
 )
 
 # Attribute set on a tensor-parallel model; read by loss_context() and the trainer.
@@ -243,6 +247,10 @@ def _styles(
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,
             )
+        elif style == "head_norm":
+            # Each rank normalises other heads with the same weight, whose true gradient is the
+            # sum of theirs: the heads dimension read as a shard makes DTensor sum it.
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif not sp:
             continue  # the remaining styles only matter for sequence parallel
         elif style == "sequence_norm":
