@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from distlm.attempt_store import current_attempt
 from distlm.backends import Backend, get_backend
 from distlm.backends.base import uses_agent_store
 from distlm.builder import ModelSpec
@@ -227,10 +228,14 @@ def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat 
     if not env.is_distributed or env.master_addr is None or env.master_port is None:
         return None
     interval = min(2.0, max(0.1, timeout.total_seconds() / 10))
+    agent_store = uses_agent_store(env, os.environ)
+    # In torchrun's store, which outlives restarts, each attempt's beats are kept apart by
+    # the attempt's id (the restart count differs between nodes: distlm/attempt_store.py).
+    attempt = current_attempt() if agent_store else None
     try:
         return start_heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
-                               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-                               store_host=None if uses_agent_store(env, os.environ) else 0)
+                               restart=attempt or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                               store_host=None if agent_store else 0)
     except (RuntimeError, dist.DistStoreError) as err:
         logger.warning("rank %d: no heartbeat side channel (%s); a hung collective will not name its ranks",
                        env.rank, err)
