@@ -30,6 +30,7 @@ from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_v
 from distlm.errors import first_line
 from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
+from distlm.signals import die_with_torchrun_agent
 from distlm.parallel.api import ParallelOptions
 from distlm.parallel.pipeline import options_from_config as pipeline_options
 from distlm.validation import validate_run
@@ -173,6 +174,8 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     )
     if env.launcher == "mpi" and env.is_distributed:
         env = resolve_master_via_mpi(env)  # mpiexec exports no master address
+    if env.launcher == "torchelastic":
+        die_with_torchrun_agent()  # also for the tools and the Python API; train.py asked already
     backend = get_backend(settings.device)
     dims, spec = validate_run(config, env, backend, model)
     if config.compile.compile_cache:

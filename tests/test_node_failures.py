@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -99,3 +106,51 @@ def test_rank_0_names_the_ranks_that_did_not_join(agent):
     with pytest.raises(DistributedTimeout, match=r"rank 0 of world size 2 .*: ranks \[1\] did not join rank 0's store "
                                                  r"within 1 s"):
         create_store(torchrun_env(0, agent.port), SHORT, agent_environ(0))
+
+
+# --------------------------------------------------------------------------- a lost agent
+
+AGENT = textwrap.dedent('''
+    import subprocess, sys
+    worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+    print(worker.pid, worker.stdout.readline().strip(), flush=True)
+    worker.wait()
+''')
+WORKER = textwrap.dedent('''
+    import time
+    from distlm.signals import die_with_torchrun_agent
+    print("armed" if die_with_torchrun_agent() else "not armed", flush=True)
+    time.sleep(60)
+''')
+
+
+def alive(pid: int) -> bool:
+    """Running, not dead and not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.parametrize("under_torchrun", [True, False])
+def test_a_worker_dies_with_its_torchrun_agent(under_torchrun):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    if under_torchrun:
+        env["TORCHELASTIC_RUN_ID"] = "job"
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, WORKER], stdout=subprocess.PIPE, text=True, env=env)
+    pid, state = agent.stdout.readline().split(maxsplit=1)
+    worker = int(pid)
+    try:
+        assert state.strip() == ("armed" if under_torchrun else "not armed")
+        agent.kill()  # SIGKILL: the agent can stop nothing
+        agent.wait()
+        # The kernel signals the worker as the agent exits; a second is ample, even under load.
+        deadline = time.monotonic() + (5 if under_torchrun else 1)
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(worker) != under_torchrun  # a worker outside torchrun is left alone
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
