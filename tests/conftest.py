@@ -30,6 +30,7 @@ def pytest_configure(config):
         ("xla", "needs torch-xla (its own environment, PJRT_DEVICE=CPU): python -m pytest -m xla tests/test_xla.py"),
         ("mpi", "needs OpenMPI and mpi4py; run under mpiexec"),
         ("slow", "longer end-to-end runs"),
+        ("cluster", "simulated nodes in network namespaces (tests/cluster.py); needs root, iproute2 and nftables"),
     ):
         config.addinivalue_line("markers", f"{name}: {why}")
 
