@@ -6,6 +6,7 @@ on a thread against a TCPStore that stands in for torchrun's agent.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import logging
@@ -27,6 +28,11 @@ from distlm import attempt_store
 from distlm.backends import DistributedTimeout
 from distlm.backends.base import create_store
 from distlm.checkpoint import integrity
+from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError
+from distlm.config import parse_args
+from distlm.errors import UsageError
+from distlm.trainer import Trainer
+from distributed import Scenarios
 from distlm.checkpoint.lock import GUARD_FILE
 from distlm.env import ClusterEnv
 
@@ -163,82 +169,97 @@ def test_a_worker_dies_with_its_torchrun_agent(under_torchrun):
 
 # ------------------------------------------------ a save dir that is not one file system
 
-# Rank 1 runs in a mount namespace of its own, where it puts a directory of its own over
-# --save-dir: a node-local disk, from the start (at update 0) or from a later save on.
-NODE_LOCAL = textwrap.dedent('''
-    import os, subprocess, sys
-    from distlm.checkpoint.checkpointer import Checkpointer
-    from distlm.train import run
-
-    at, local, save_dir = int(os.environ["NODE_LOCAL_AT"]), os.environ["NODE_LOCAL_DIR"], os.environ["SAVE_DIR"]
-
-    def mount():
-        subprocess.run(["mount", "--bind", local, save_dir], check=True)
-
-    if os.environ["RANK"] == "1":
-        if at == 0:
-            mount()
-        else:
-            save = Checkpointer.save
-            def save_then_lose(self, names, states, *args, **kwargs):
-                if states["progress"].num_updates == at:
-                    mount()
-                return save(self, names, states, *args, **kwargs)
-            Checkpointer.save = save_then_lose
-    run()
-''')
+_CLONE_NEWNS = 0x00020000
 
 
-def launch_node_local(data_dir: str, tmp_path: Path, at: int) -> subprocess.CompletedProcess:
-    """distlm-run of 2 ranks, rank 1 in its own mount namespace (``unshare`` execs, so the
-    worker stays torchrun's child) seeing its own --save-dir from update ``at`` on."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("a node-local disk is simulated with a mount namespace: needs root and unshare")
-    save_dir, local = tmp_path / "shared", tmp_path / "node1-disk"
-    save_dir.mkdir()
-    local.mkdir()
-    wrapper = tmp_path / "node.sh"
-    wrapper.write_text('#!/bin/sh\n[ "$RANK" = 1 ] && exec unshare -m --propagation private "$@"\nexec "$@"\n')
-    wrapper.chmod(0o755)
-    args = ["--data", data_dir, "--arch", "llama_tiny", "--tokens-per-sample", "32", "--batch-size", "2",
+def own_mount_namespace() -> None:
+    """This process (a worker forked single-threaded) gets a mount namespace of its own,
+    whose mounts nobody else sees: where it mounts a directory over --save-dir, it has a
+    node-local disk."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+
+
+def mount_over(directory: Path, own_disk: Path) -> None:
+    subprocess.run(["mount", "--bind", str(own_disk), str(directory)], check=True)
+
+
+def node_local_args(data_dir: str, save_dir: Path) -> list[str]:
+    return ["--data", data_dir, "--arch", "llama_tiny", "--tokens-per-sample", "32", "--batch-size", "2",
             "--max-update", "4", "--save-interval-updates", "2", "--log-interval", "1000", "--disable-validation",
             "--save-dir", str(save_dir), "--device", "cpu", "--seed", "1"]
-    command = [sys.executable, "-m", "distlm.run", "--standalone", "--nproc_per_node", "2", "--no-python",
-               str(wrapper), sys.executable, "-c", NODE_LOCAL, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NODE_LOCAL_AT": str(at), "NODE_LOCAL_DIR": str(local),
-           "SAVE_DIR": str(save_dir), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
 
 
-def test_a_node_local_save_dir_is_refused_before_the_first_update(data_dir, tmp_path):
-    proc = launch_node_local(data_dir, tmp_path, at=0)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+def refused_at_start(data_dir: str, root: Path) -> str:
+    """Rank 1's --save-dir is a disk of its own from the start: training must not begin."""
+    if int(os.environ["RANK"]) == 1:
+        own_mount_namespace()
+        mount_over(root / "refused", root / "node1-disk-a")
+    try:
+        Trainer(parse_args(node_local_args(data_dir, root / "refused")))
+    except UsageError as err:
+        return str(err)
+    return "no error"
+
+
+def loses_a_shard(data_dir: str, root: Path) -> tuple[str, int]:
+    """From the save at update 4 on, rank 1 writes to a disk of its own (a mount lost)."""
+    save = Checkpointer.save
+
+    def save_then_lose(self, names, states, *args, **kwargs):
+        if int(os.environ["RANK"]) == 1 and states["progress"].num_updates == 4:
+            mount_over(root / "lost", root / "node1-disk-b")
+        return save(self, names, states, *args, **kwargs)
+
+    Checkpointer.save = save_then_lose
+    trainer = Trainer(parse_args(node_local_args(data_dir, root / "lost")))
+    try:
+        trainer.fit()
+    except CheckpointError as err:
+        return str(err), trainer.num_updates
+    finally:
+        Checkpointer.save = save
+    return "no error", trainer.num_updates
+
+
+@pytest.fixture(scope="module")
+def node_local(data_dir, tmp_path_factory):
+    """One 2-rank job, rank 1 in a mount namespace of its own: both scenarios' outcomes."""
+    if os.geteuid() != 0:
+        pytest.skip("a node-local disk is simulated with a mount namespace of one rank: needs root")
+    root = tmp_path_factory.mktemp("node-local")
+    for name in ("refused", "lost", "node1-disk-a", "node1-disk-b"):
+        (root / name).mkdir()
+    return root, Scenarios(2, [("refused", refused_at_start, (data_dir, root)),
+                               ("lost", loses_a_shard, (data_dir, root))], timeout=240)
+
+
+def test_a_node_local_save_dir_is_refused_before_the_first_update(node_local):
+    root, outcomes = node_local
     host = socket.gethostname()
-    assert errors == [
-        f"distlm: error: --save-dir {tmp_path / 'shared'}: rank 1 (host {host}) cannot read the file rank 0 wrote "
-        f"(missing); rank 0 cannot read the files written by rank 1 (host {host}): every rank reads every "
-        "checkpoint, so --save-dir must be one file system shared by all nodes"], proc.stderr[-3000:]
-    assert '"update"' not in proc.stdout + proc.stderr  # refused before the first update
+    # Every rank refuses, in the Trainer's start: no update ran. The entry point prints the
+    # line and exits with status 2, as for any UsageError.
+    assert outcomes["refused"] == [
+        f"--save-dir {root / 'refused'}: rank 1 (host {host}) cannot read the file rank 0 wrote (missing); rank 0 "
+        f"cannot read the files written by rank 1 (host {host}): every rank reads every checkpoint, so --save-dir "
+        "must be one file system shared by all nodes"] * 2
     # No lock (its guard file stays, as after every run) and no probe file left behind.
-    assert [path.name for path in (tmp_path / "shared").iterdir()] == [GUARD_FILE]
+    assert [path.name for path in (root / "refused").iterdir()] == [GUARD_FILE]
 
 
-def test_a_save_that_loses_a_shard_is_not_reported_saved(data_dir, tmp_path):
-    # From the save at update 4 on, rank 1 writes to a disk of its own.
-    proc = launch_node_local(data_dir, tmp_path, at=4)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    save_dir = tmp_path / "shared"
-    last_line = proc.stderr.strip().splitlines()[-1]
-    assert last_line == (
-        f"distlm: error: saving checkpoint_4, checkpoint_last in {save_dir} failed: shard __1_0.distcp written by "
-        f"rank 1 is not in {save_dir / '.incomplete-checkpoint_4'} as rank 0 sees it: every rank reads every "
-        "checkpoint, so --save-dir must be one file system shared by all nodes; the previous checkpoint is intact")
-    assert "saved checkpoint_4" not in proc.stderr
+def test_a_save_that_loses_a_shard_is_not_reported_saved(node_local):
+    root, outcomes = node_local
+    save_dir = root / "lost"
+    line = (f"saving checkpoint_4, checkpoint_last in {save_dir} failed: shard __1_0.distcp written by rank 1 is not "
+            f"in {save_dir / '.incomplete-checkpoint_4'} as rank 0 sees it: every rank reads every checkpoint, so "
+            "--save-dir must be one file system shared by all nodes; the previous checkpoint is intact")
+    assert outcomes["lost"] == [(line, 4)] * 2
     # checkpoint_last is still the save of update 2, whole; nothing of the failed save is left.
     meta = json.loads((save_dir / "checkpoint_last" / "distlm.json").read_text())
     assert meta["progress"]["num_updates"] == 2
     assert integrity.verify(save_dir / "checkpoint_last", integrity.recorded_files(meta, save_dir)) is None
     assert not list(save_dir.glob(".incomplete-*")) and not (save_dir / "checkpoint_4").exists()
     # Rank 1's shard went where no reader looks.
-    assert (tmp_path / "node1-disk" / ".incomplete-checkpoint_4" / "__1_0.distcp").is_file()
+    assert (root / "node1-disk-b" / ".incomplete-checkpoint_4" / "__1_0.distcp").is_file()
