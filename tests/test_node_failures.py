@@ -31,6 +31,7 @@ from distlm.checkpoint import integrity
 from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError
 from distlm.config import parse_args
 from distlm.errors import UsageError
+from distlm.heartbeat import RankState, describe_missing
 from distlm.trainer import Trainer
 from distributed import Scenarios
 from distlm.checkpoint.lock import GUARD_FILE
@@ -263,3 +264,27 @@ def test_a_save_that_loses_a_shard_is_not_reported_saved(node_local):
     assert not list(save_dir.glob(".incomplete-*")) and not (save_dir / "checkpoint_4").exists()
     # Rank 1's shard went where no reader looks.
     assert (root / "node1-disk-b" / ".incomplete-checkpoint_4" / "__1_0.distcp").is_file()
+
+
+# ------------------------------------------------------------------ a lost host, named
+
+def test_a_rank_cut_off_from_the_agents_store_names_the_host_it_lost():
+    hosts = ["node0", "node0", "node1", "node1"]
+    assert describe_missing(None, 11, 2, 4, None, 10, hosts) == (
+        "lost host node0: ranks [0, 1] there and torchrun's agent store there, which holds every rank's progress, "
+        "do not answer (a cut link, or the host stopped); rank 2 on host node1 still waits in update 11 (it last "
+        "completed update 10)")
+    # On the store's own host, its silence says nothing about a link; on one host, nor does a host name.
+    for me, hosts in ((1, hosts), (2, ["a"] * 4)):
+        assert describe_missing(None, 11, me, 4, None, 10, hosts).startswith("the ranks cannot be asked")
+
+
+def test_ranks_that_stopped_are_named_with_their_hosts():
+    states = [RankState(0, 11, 10, True), RankState(1, 11, 10, True), RankState(2, 11, 10, False),
+              RankState(3, 10, 9, True)]
+    assert describe_missing(states, 11, 0, 4, None, 10, ["n0", "n0", "n1", "n2"]) == (
+        "ranks [2] stopped responding (rank 2 last completed update 10) on host n1; "
+        "ranks [3] have not started update 11 (rank 3 last completed update 9) on host n2")
+    assert describe_missing(None, 11, 1, 2, 0, 10, ["n0", "n1"]) == (
+        "ranks [0] stopped responding (rank 0 serves the rendezvous store, which does not answer either) on host n0; "
+        "ranks [1] still wait in update 11 (rank 1 last completed update 10)")
