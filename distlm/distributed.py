@@ -26,7 +26,7 @@ from distlm.backends.base import uses_agent_store
 from distlm.builder import ModelSpec
 from distlm.compile import use_compile_cache
 from distlm.config import TrainConfig
-from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, resolve_master_via_mpi
+from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, place_by_hosts, resolve_master_via_mpi, this_host
 from distlm.errors import first_line
 from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
@@ -191,8 +191,11 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
         backend.record_collectives(str(Path(config.checkpoint.save_dir) / "comm_traces"))
         backend.init_process_group(env, timeout)
         heartbeat = _start_heartbeat(env, timeout)
-    # After the process group: a PJRT device learns its place in the job from it.
+    # After the process group: a PJRT device learns its place in the job from it. From the
+    # launcher's local rank, as setup() chose it: the hosts are known only after a collective.
     device = backend.device(env)
+    if env.is_distributed:
+        env = _place_by_hosts(env)
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
@@ -223,6 +226,17 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
         compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
         foreach_clip=ctx.backend.foreach_clip, pipeline=pipeline_options(settings),
     )
+
+
+def _place_by_hosts(env: ClusterEnv) -> ClusterEnv:
+    """Every rank's host, all-gathered once at start: the nodes where the launcher does not say
+    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``)."""
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, (this_host(), env.node_rank))
+    env, line = place_by_hosts(env, [host for host, _ in gathered], [node for _, node in gathered])
+    if env.rank == 0:
+        logger.info("%s", line)
+    return env
 
 
 def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat | None:

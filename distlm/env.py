@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Hashable, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
+from distlm.agreement import describe_ranks
 from distlm.errors import UsageError
 
 LAUNCHER_NAMES = ("torchelastic", "slurm", "mpi", "env", "explicit", "single")
@@ -79,8 +80,9 @@ class ClusterEnv:
     None elsewhere; then each rank knows only its own ``node_rank``."""
     nodes_assumed: str | None = field(default=None, compare=False)
     """Set when the launcher did not say which node each rank runs on, so ``node_rank`` is
-    only assumed (consecutive ranks per node): why, and what would tell. None when known.
-    Not compared: it says how the place was found, not where the process is."""
+    only assumed (consecutive ranks per node, or one process per host): why. None when known.
+    ``place_by_hosts`` replaces an assumed place with the hosts' own once the process group
+    exists. Not compared: it says how the place was found, not where the process is."""
 
     def __post_init__(self) -> None:
         # Launchers validate with the user's variable names first; this only guards
@@ -110,18 +112,10 @@ class ClusterEnv:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
-    def check_nodes_known(self, needed_by: str) -> None:
-        """A one-line ``UsageError`` if the node of each rank is assumed rather than known:
-        ``needed_by`` (e.g. ``--comm-hook hierarchical``) would group ranks that may not share a node."""
-        if self.nodes_assumed is not None:
-            raise UsageError(
-                f"{needed_by} needs the node of every rank, but launcher {self.launcher} does not say it: "
-                f"{self.nodes_assumed}; or simulate nodes of consecutive ranks with --ranks-per-node"
-            )
-
     def describe(self) -> str:
         """One line for the log: the launcher and this process's place, e.g. for rank 0 to print."""
-        hosts = ", one process per host" if self.launcher in ("env", "explicit") and self.is_distributed else ""
+        assumed = self.launcher in ("env", "explicit") and self.is_distributed and self.node_of_rank is None
+        hosts = ", one process per host" if assumed else ""
         master = f"{self.master_addr}:{self.master_port}" if self.master_port is not None else str(self.master_addr)
         return (
             f"launcher {self.launcher}{hosts}: rank {self.rank} of {self.world_size}, "
@@ -524,6 +518,9 @@ def _mpi_env(environ: Mapping[str, str], world: tuple[str, str], local: tuple[st
     )
 
 
+_ONE_PER_HOST = "each process is assumed to run on a host of its own (nothing exports a local rank)"
+
+
 class EnvLauncher:
     """``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` and nothing else: one process per host.
 
@@ -571,6 +568,7 @@ class EnvLauncher:
             master_addr=master_addr,
             master_port=master_port,
             launcher="env",
+            nodes_assumed=_ONE_PER_HOST if world_size > 1 else None,
         )
 
 
@@ -794,6 +792,7 @@ def _explicit_or_single(explicit: ExplicitLaunch, environ: Mapping[str, str]) ->
         master_addr=master[0],
         master_port=master[1],
         launcher="explicit",
+        nodes_assumed=_ONE_PER_HOST if world_size > 1 else None,
     )
 
 
@@ -976,3 +975,81 @@ def ranks_by_node(node_of_rank: Sequence[int]) -> list[list[int]]:
     for rank, node in enumerate(node_of_rank):
         nodes[node].append(rank)
     return nodes
+
+
+# --------------------------------------------------------------------------- nodes from the hosts
+
+
+class Host(NamedTuple):
+    """The host a process runs on, as every rank can compare it."""
+
+    name: str
+    boot_id: str
+    """This boot of this machine; a host name alone repeats across containers and images."""
+    netns: int
+    """The network namespace's inode: processes of one machine that reach each other only over
+    the network (containers, pods, simulated nodes) are separate hosts."""
+
+
+def boot_id() -> str | None:
+    """This boot of this machine (Linux), None elsewhere."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def this_host() -> Host:
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return Host(socket.gethostname(), boot_id() or "", netns)
+
+
+def place_by_hosts(env: ClusterEnv, hosts: Sequence[Host], launcher_nodes: Sequence[int]) -> tuple[ClusterEnv, str]:
+    """``env`` with its node checked against, or taken from, the host of every rank; and a log line.
+
+    ``hosts[r]`` and ``launcher_nodes[r]`` are rank r's ``this_host()`` and ``node_rank`` as
+    its launcher gave it, all-gathered at start. Where the launcher does not say which
+    ranks share a node (``env.nodes_assumed``: fairseq's flags and ``env://`` assume one
+    process per host, torchrun variables without ``GROUP_RANK`` consecutive ranks), the
+    hosts decide: node, local rank and ``node_of_rank`` become theirs, nodes numbered by
+    their lowest rank. Where the launcher does say, the ranks it puts on one node must run
+    on one host, else a one-line ``UsageError`` (every rank raises it alike): grouping them
+    would send a hierarchical hook's intra-node leg over the network. Several of its nodes
+    on one host are accepted: that is how several agents on one machine (and the tests'
+    stand-ins) simulate nodes, and it only forgoes shared memory, never correctness.
+    """
+    if len(hosts) != env.world_size or len(launcher_nodes) != env.world_size:
+        raise ValueError(f"one host and node per rank: {len(hosts)}, {len(launcher_nodes)} for {env.world_size} ranks")
+
+    def listing(ranks: Sequence[int], most: int = 3) -> str:
+        groups: dict[Host, list[int]] = {}
+        for rank in ranks:
+            groups.setdefault(hosts[rank], []).append(rank)
+        shown = [f"{host.name}: {describe_ranks(members)}" for host, members in list(groups.items())[:most]]
+        more = f" and {len(groups) - most} more" if len(groups) > most else ""
+        return "; ".join(shown) + more
+
+    found = node_layout(env.rank, hosts)
+    if env.nodes_assumed is not None:
+        placed = replace(env, node_rank=found.node_rank, num_nodes=found.num_nodes, local_rank=found.local_rank,
+                         local_world_size=found.local_world_size, node_of_rank=found.node_of_rank,
+                         nodes_assumed=None)
+        return placed, (f"{found.num_nodes} node{'s' if found.num_nodes > 1 else ''} found from the hosts "
+                        f"({listing(range(env.world_size))}); launcher {env.launcher} does not say which ranks "
+                        "share a node")
+    claimed: dict[int, list[int]] = {}
+    for rank, node in enumerate(launcher_nodes):
+        claimed.setdefault(node, []).append(rank)
+    for node, ranks in claimed.items():
+        if len({hosts[rank] for rank in ranks}) > 1:
+            raise UsageError(
+                f"launcher {env.launcher} puts {describe_ranks(ranks)} on node {node}, but they run on "
+                f"{len({hosts[rank] for rank in ranks})} hosts ({listing(ranks)}); the ranks of a node must share "
+                "a host: start one launcher per host (torchrun --node-rank, srun --ntasks-per-node) or correct "
+                "the node variables exported by hand"
+            )
+    return env, (f"{len(claimed)} node{'s' if len(claimed) > 1 else ''} from launcher {env.launcher}, on "
+                 f"{found.num_nodes} host{'s' if found.num_nodes > 1 else ''} ({listing(range(env.world_size))})")

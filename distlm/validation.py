@@ -54,10 +54,6 @@ def validate_run(
     dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, pp=settings.pp_degree,
                         strategy=settings.strategy)
     check_strategy_options(config, dims)
-    if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is None:
-        # Grouping ranks by node on a guess would reduce across the network where the
-        # hook promises the node's fast links.
-        env.check_nodes_known(f"--comm-hook {settings.comm_hook}")
     backend.check_precision(config.precision_mode)
     backend.check_strategy(settings.strategy, settings.tp_degree)
     if backend.name == "cpu" and "fp16" in config.precision_mode and not config.precision.allow_slow_fp16:

@@ -4,6 +4,8 @@ the real mpiexec placement test is tests/test_mpi_placement.py)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import types
 
@@ -16,11 +18,14 @@ from distlm.env import (
     device_index,
     expand_slurm_nodelist,
     expand_slurm_tasks_per_node,
+    Host,
     node_layout,
     parse_init_method,
+    place_by_hosts,
     ranks_by_node,
     resolve_master_via_mpi,
     slurm_master_port,
+    this_host,
 )
 from distlm.errors import UsageError
 
@@ -418,6 +423,91 @@ def test_cluster_env_refuses_a_membership_that_contradicts_it():
     for wrong in [(0, 0, 1, 1), (0, 1, 0), (0, 1, 2, 1), (0, 1, 1, 1)]:
         with pytest.raises(ValueError, match="node_of_rank"):
             ClusterEnv(**fields, node_of_rank=wrong)
+
+
+# --------------------------------------------------------------------------- nodes from the hosts
+
+BOOT_A, BOOT_B = "boot-a", "boot-b"
+
+
+def fairseq_envs(world_size: int) -> list[ClusterEnv]:
+    """Every rank of a fairseq-style launch: --distributed-rank R --distributed-world-size N."""
+    return [ClusterEnv.detect({}, ExplicitLaunch(world_size=world_size, rank=rank, init_method="tcp://h0:29500"))
+            for rank in range(world_size)]
+
+
+def placed(envs: list[ClusterEnv], hosts: list[Host]) -> list[tuple[ClusterEnv, str]]:
+    """``place_by_hosts`` on every rank, with what the all-gather at start gives each."""
+    return [place_by_hosts(env, hosts, [e.node_rank for e in envs]) for env in envs]
+
+
+def test_fairseq_launch_with_two_processes_per_host_finds_two_nodes_of_two():
+    # The launch assumes one process per host (node R of N); the hosts say otherwise.
+    envs = fairseq_envs(4)
+    assert [(e.node_rank, e.num_nodes, e.nodes_assumed is not None) for e in envs] == [(r, 4, True) for r in range(4)]
+    hosts = [Host("node0", BOOT_A, 1)] * 2 + [Host("node1", BOOT_B, 1)] * 2
+    results = placed(envs, hosts)
+    assert [(e.node_rank, e.local_rank, e.local_world_size, e.num_nodes) for e, _ in results] == [
+        (0, 0, 2, 2), (0, 1, 2, 2), (1, 0, 2, 2), (1, 1, 2, 2)]
+    assert {e.node_of_rank for e, _ in results} == {(0, 0, 1, 1)}
+    assert all(e.nodes_assumed is None for e, _ in results)
+    assert results[2][0].describe().startswith("launcher explicit: rank 2 of 4, local rank 0 of 2 on node 1 of 2")
+    assert results[0][1] == ("2 nodes found from the hosts (node0: ranks 0-1; node1: ranks 2-3); "
+                             "launcher explicit does not say which ranks share a node")
+
+
+@pytest.mark.parametrize("hosts, node_of_rank", [
+    # One name on two machines (every container calls itself localhost): the boot id tells them apart.
+    ([Host("localhost", BOOT_A, 1), Host("localhost", BOOT_B, 1)] * 2, (0, 1, 0, 1)),
+    # One machine, two network namespaces (pods, simulated nodes): two hosts.
+    ([Host("h", BOOT_A, 1), Host("h", BOOT_A, 1), Host("h", BOOT_A, 2), Host("h", BOOT_A, 2)], (0, 0, 1, 1)),
+    # One process per host after all: the launch's own assumption, now known.
+    ([Host(f"h{r}", BOOT_A, r) for r in range(4)], (0, 1, 2, 3)),
+])
+def test_a_host_is_its_name_boot_and_network_namespace(hosts, node_of_rank):
+    for env, _ in placed(fairseq_envs(4), hosts):
+        assert env.node_of_rank == node_of_rank
+
+
+def test_env_launch_and_torchrun_without_group_rank_take_the_nodes_from_the_hosts():
+    kubeflow = [ClusterEnv.detect(kubeflow_env(rank)) for rank in range(4)]
+    partial = {k: v for k, v in torchrun_env().items() if k not in ("GROUP_RANK", "GROUP_WORLD_SIZE")}
+    torchrun = [ClusterEnv.detect({**partial, "RANK": str(r), "LOCAL_RANK": str(r % 4)}) for r in range(8)]
+    kubeflow_placed = placed(kubeflow, [Host(f"pod{r}", BOOT_A, r) for r in range(4)])
+    assert [e.node_of_rank for e, _ in kubeflow_placed] == [(0, 1, 2, 3)] * 4
+    # torchrun assumed consecutive ranks per node; here the hosts hold them round robin.
+    hosts = [Host("a", BOOT_A, 1), Host("b", BOOT_B, 1)] * 4
+    assert [e.node_of_rank for e, _ in placed(torchrun, hosts)] == [(0, 1) * 4] * 8
+
+
+def test_a_launcher_node_spanning_hosts_is_one_line_on_every_rank():
+    envs = [ClusterEnv.detect(torchrun_env(rank, GROUP_RANK="0")) for rank in range(8)]  # GROUP_RANK exported wrong
+    hosts = [Host("node0", BOOT_A, 1)] * 4 + [Host("node1", BOOT_B, 1)] * 4
+    for env in envs:
+        with pytest.raises(UsageError) as refused:
+            place_by_hosts(env, hosts, [e.node_rank for e in envs])
+        assert str(refused.value) == (
+            "launcher torchelastic puts ranks 0-7 on node 0, but they run on 2 hosts (node0: ranks 0-3; "
+            "node1: ranks 4-7); the ranks of a node must share a host: start one launcher per host (torchrun "
+            "--node-rank, srun --ntasks-per-node) or correct the node variables exported by hand")
+
+
+def test_a_launcher_that_says_the_nodes_keeps_them():
+    # Right: torchrun's 2 nodes on 2 hosts. Finer than the hosts: two agents on one machine
+    # (how tests and stand-ins simulate nodes) keep their 2 nodes.
+    envs = [ClusterEnv.detect(torchrun_env(rank)) for rank in range(8)]
+    two_hosts = [Host("node0", BOOT_A, 1)] * 4 + [Host("node1", BOOT_B, 1)] * 4
+    for hosts, line in [(two_hosts, "2 nodes from launcher torchelastic, on 2 hosts (node0: ranks 0-3; node1: ranks 4-7)"),
+                        ([Host("vm", BOOT_A, 1)] * 8, "2 nodes from launcher torchelastic, on 1 host (vm: ranks 0-7)")]:
+        for env, (result, said) in zip(envs, placed(envs, hosts)):
+            assert result is env and said == line
+
+
+def test_this_host_names_this_process_host():
+    host = this_host()
+    assert host.name == socket.gethostname()
+    assert host.netns == os.stat("/proc/self/ns/net").st_ino
+    assert host.boot_id == open("/proc/sys/kernel/random/boot_id").read().strip()
 
 
 # --------------------------------------------------------------------------- devices

@@ -230,6 +230,8 @@ def test_fairseq_explicit_launch_equals_torchrun_style(data_dir, two_rank_job, t
         assert proc.returncode == 0, f"rank {rank}:\n{err[-4000:]}"
     # Only rank 0 prints the statistics.
     assert '"kind": "summary"' in outputs[0][0]
+    # The flags say nothing of hosts; the hosts gathered at start do (one host here).
+    assert "1 node found from the hosts" in outputs[0][1] and "node 0 of 1" in outputs[0][1], outputs[0][1][-4000:]
     assert outputs[1][0].strip() == ""
 
     reference_dir, _ = two_rank_job

@@ -27,7 +27,7 @@ import torch
 from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.backends import get_backend
-from distlm.env import ClusterEnv, resolve_master_via_mpi
+from distlm.env import ClusterEnv, Host, place_by_hosts, resolve_master_via_mpi
 from distlm.errors import UsageError
 from distlm.parallel import mpi_transport
 from distlm.validation import validate
@@ -209,29 +209,19 @@ TORCHRUN_2_NODES = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", 
                     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 
 
-@pytest.mark.parametrize("environ, refusal", [
-    # Without mpi4py nothing says which ranks share a host (--map-by node places them round robin).
-    (MPIEXEC_4_RANKS, "--comm-hook hierarchical needs the node of every rank, but launcher mpi does not say it: "
-                      "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_LOCAL_SIZE say how many ranks, not which share a "
-                      "host; install mpi4py (pip install 'distlm[mpi]') so that distlm asks MPI; "
-                      "or simulate nodes of consecutive ranks with --ranks-per-node"),
-    ({**MPIEXEC_4_RANKS, "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, None),  # every rank on this host
-    (TORCHRUN_2_NODES, "launcher torchelastic does not say it: GROUP_RANK is not set; export each node's index"),
-    ({**TORCHRUN_2_NODES, "GROUP_RANK": "1"}, None),
-])
-def test_the_node_of_each_rank_is_known_or_the_hierarchical_all_reduce_is_refused(monkeypatch, environ, refusal):
+@pytest.mark.parametrize("environ", [MPIEXEC_4_RANKS, TORCHRUN_2_NODES])
+def test_a_launcher_that_does_not_say_the_nodes_is_placed_by_the_hosts(monkeypatch, environ):
+    # Without mpi4py nothing but the hosts says which ranks share one (--map-by node places
+    # them round robin); torchrun variables without GROUP_RANK neither.
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
     env = resolve_master_via_mpi(ClusterEnv.detect(environ))
+    assert env.nodes_assumed is not None
+    # Not refused before the rendezvous: the hosts gathered at start say it (init_distributed).
     hierarchical = parse_args(["--comm-hook", "hierarchical", "--device", "cpu", "--arch", "roberta_tiny"])
-    if refusal is None:
-        assert validate(hierarchical, env, get_backend("cpu")).dp == 4
-        return
-    with pytest.raises(UsageError) as refused:
-        validate(hierarchical, env, get_backend("cpu"))
-    assert refusal in str(refused.value) and "\n" not in str(refused.value)
-    # Simulated nodes of consecutive ranks need no membership.
-    validate(parse_args(["--comm-hook", "hierarchical", "--ranks-per-node", "2", "--device", "cpu"]), env,
-             get_backend("cpu"))
+    assert validate(hierarchical, env, get_backend("cpu")).dp == 4
+    round_robin = [Host("a", "boot-a", 1), Host("b", "boot-b", 1)] * 2
+    placed, _ = place_by_hosts(env, round_robin, [rank // 2 for rank in range(4)])
+    assert placed.node_of_rank == (0, 1, 0, 1) and placed.nodes_assumed is None
 
 
 def test_half_precision_travels_as_16_bit_words_with_a_half_sum():

@@ -35,6 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+from distlm.env import boot_id as _boot_id  # this boot of this machine, shared with the hosts check
 from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")
@@ -227,14 +228,6 @@ def _process_start(pid: int) -> int | None:
             fields = f.read().rsplit(b")", 1)[1].split()
         return int(fields[19])
     except (OSError, IndexError, ValueError):
-        return None
-
-
-def _boot_id() -> str | None:
-    """This boot of this machine: a host name alone can repeat across containers or reboots."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
         return None
 
 

@@ -102,9 +102,10 @@ def parallelize(
             options.comm_hook, options.comm_transport, options.double_buffering, dims.dp_group(device.type),
             device.type, options.ranks_per_node, options.node_of_rank)
         model = apply_ddp(model, device, dims.dp_group(device.type), options.bucket_cap_mb, hook, double_buffer)
+        reducer = double_buffer.reducer if double_buffer is not None else getattr(hook, "reducer", None)
         logger.info(
-            "applied DDP over %d replicas, bucket_cap_mb=%g, comm hook %s%s%s",
-            dims.dp, options.bucket_cap_mb, options.comm_hook,
+            "applied DDP over %d replicas, bucket_cap_mb=%g, comm hook %s%s%s%s",
+            dims.dp, options.bucket_cap_mb, options.comm_hook, f" ({reducer!r})" if reducer is not None else "",
             " over mpi4py" if options.comm_transport == "mpi" else "",
             " with double buffering (gradients one update stale)" if options.double_buffering else "",
         )

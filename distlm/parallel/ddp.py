@@ -80,6 +80,7 @@ def ddp_hook(reducer: Reducer) -> Callable[[object, dist.GradBucket], Future[tor
         return reducer(bucket.buffer())
 
     hook.__name__ = hook.__qualname__ = f"distlm_{type(reducer).__name__}_hook"
+    hook.reducer = reducer  # for the log: which groups it reduces over
     return hook
 
 
