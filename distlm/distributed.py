@@ -195,7 +195,7 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     # launcher's local rank, as setup() chose it: the hosts are known only after a collective.
     device = backend.device(env)
     if env.is_distributed:
-        env = _place_by_hosts(env)
+        env = _place_by_hosts(env, heartbeat)
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
@@ -228,11 +228,14 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
     )
 
 
-def _place_by_hosts(env: ClusterEnv) -> ClusterEnv:
+def _place_by_hosts(env: ClusterEnv, heartbeat: Heartbeat | None = None) -> ClusterEnv:
     """Every rank's host, all-gathered once at start: the nodes where the launcher does not say
-    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``)."""
+    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``).
+    The heartbeat keeps their names, to name the hosts of ranks lost later."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, (this_host(), env.node_rank))
+    if heartbeat is not None:
+        heartbeat.hosts = [host.name for host, _ in gathered]
     env, line = place_by_hosts(env, [host for host, _ in gathered], [node for _, node in gathered])
     if env.rank == 0:
         logger.info("%s", line)

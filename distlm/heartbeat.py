@@ -5,9 +5,9 @@ update it entered and the last it completed) into the rendezvous store, under a 
 of its own. A thread keeps beating while the main thread waits in a collective (which
 releases the GIL), so when a collective times out the ranks that are still alive say
 where they are. A rank that was stopped (SIGSTOP), died, or hangs with the GIL held
-stops beating. Counters rather than clock times, so hosts need no common clock. Each rank
-also says once on which host it runs, so that a rank cut off from the store later still
-names the host it lost.
+stops beating. Counters rather than clock times, so hosts need no common clock. Every
+rank's host, gathered at start, names the host a rank lost, even once the store is out of
+reach.
 
 The store lives where the process group's rendezvous store lives: in torchrun's agent,
 or (srun, mpiexec, a Kubeflow PyTorchJob, fairseq's flags) in rank 0's own process. Then
@@ -17,7 +17,6 @@ a stopped rank 0 takes the store with it, and the waiting ranks name rank 0 for 
 from __future__ import annotations
 
 import datetime
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -52,9 +51,7 @@ class Heartbeat:
                               timeout=datetime.timedelta(seconds=max(10.0, 4 * interval)))
         self.store = dist.PrefixStore(f"{_PREFIX}/restart{restart}", store)
         self.hosts: list[str] | None = None
-        """Every rank's host, once all have said (a beat or two after the start); a rank that
-        loses the store later still knows where its peers run."""
-        self.store.set(f"host{rank}", socket.gethostname())
+        """Every rank's host name, as gathered at start (distlm/distributed.py)."""
         self._entered = 0
         self._completed = 0
         self._beats = 0
@@ -94,21 +91,14 @@ class Heartbeat:
         # beats 2 s apart and updates of a few ms, it was reported at update 0 after 3).
         # The training thread only sets an event; the store round trip is made here.
         while not self._stopped.is_set():
+            self._moved.wait(self.interval)
+            self._moved.clear()
+            if self._stopped.is_set():
+                return
             try:
-                if self.hosts is None:
-                    self._learn_hosts()
-                self._moved.wait(self.interval)
-                self._moved.clear()
-                if self._stopped.is_set():
-                    return
                 self._publish()
             except (RuntimeError, dist.DistStoreError):  # the store's host is gone: nothing to tell
                 return
-
-    def _learn_hosts(self) -> None:
-        keys = [f"host{rank}" for rank in range(self.world_size)]
-        if self.store.check(keys):
-            self.hosts = [value.decode() for value in self.store.multi_get(keys)]
 
     def _read(self) -> dict[int, tuple[int, int, int]]:
         keys = [str(rank) for rank in range(self.world_size)]

@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +34,10 @@ from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.heartbeat import RankState, describe_missing
 from distlm.trainer import Trainer
+from cluster import Cluster, require_cluster
+from conftest import LAUNCHER_VARIABLES
 from distributed import Scenarios
+from test_launch import args_for, assert_models_identical, fit, last_checkpoint
 from distlm.checkpoint.lock import GUARD_FILE
 from distlm.env import ClusterEnv
 
@@ -288,3 +292,151 @@ def test_ranks_that_stopped_are_named_with_their_hosts():
     assert describe_missing(None, 11, 1, 2, 0, 10, ["n0", "n1"]) == (
         "ranks [0] stopped responding (rank 0 serves the rendezvous store, which does not answer either) on host n0; "
         "ranks [1] still wait in update 11 (rank 1 last completed update 10)")
+
+
+# --------------------------------------------------------- on simulated nodes (tests/cluster.py)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SAVE_EVERY = 4
+# A collective's timeout short enough to keep the runs short, long enough for a loaded machine.
+TIMEOUT_SEC = 10
+# How long after --timeout-sec a rank may take to name whom it lost and end: reading the
+# heartbeat (2 x max(2 s, 5 beats) + 3 beats of --timeout-sec / 10, at most 2 s each) and
+# the process's end. docs/clusters.md states this margin.
+MARGIN_SEC = 30
+RUN_TIMEOUT = 240
+# Node 1's worker of the first attempt dies (SIGKILL) right after checkpoint_4 is committed.
+DIE_AFTER_SAVE = textwrap.dedent(f'''
+    import os, signal
+    from distlm.checkpoint.checkpointer import Checkpointer
+    from distlm.train import run
+
+    commit = Checkpointer._commit
+    def commit_then_die(self, names, meta):
+        commit(self, names, meta)
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" and "checkpoint_{SAVE_EVERY}" in names:
+            os.kill(os.getpid(), signal.SIGKILL)
+    Checkpointer._commit = commit_then_die
+    run()
+''')
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Four nodes: two jobs of two nodes can run side by side (4 training processes at most)."""
+    require_cluster()
+    with Cluster(nodes=4) as c:
+        yield c
+
+
+def cluster_args(data_dir: str, save_dir: Path, max_update: int) -> list[str]:
+    return args_for(data_dir, save_dir, max_update, 2, ["--save-interval-updates", str(SAVE_EVERY),
+                                                       "--timeout-sec", str(TIMEOUT_SEC)])
+
+
+def torchrun_on(cluster: Cluster, nodes: tuple[int, int], run_id: str, argv: list[str], logs: Path,
+                extra: list[str] = ()) -> list[subprocess.Popen]:
+    """One torchrun agent per node of ``nodes``, c10d rendezvous on the first; output to ``logs``/nodeI.log."""
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"{cluster.hostname(nodes[0])}:29400", "--rdzv-id", run_id, *extra]
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    logs.mkdir(parents=True, exist_ok=True)
+    return [cluster.popen(node, [*TORCHRUN, *rendezvous, *argv], env=env, cwd=logs,
+                          stdout=open(logs / f"node{node}.log", "w"), stderr=subprocess.STDOUT)
+            for node in nodes]
+
+
+def wait_for(path: Path, agents: list[subprocess.Popen], logs: Path) -> None:
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not path.exists():
+        if time.monotonic() > deadline or any(agent.poll() is not None for agent in agents):
+            pytest.fail(f"{path.name} never appeared:\n" + "\n".join(
+                log.read_text()[-2000:] for log in sorted(logs.glob("node*.log"))))
+        time.sleep(0.1)
+
+
+def end_times(pids: list[int], within: float) -> dict[int, float | None]:
+    """Seconds until each of ``pids`` ended (None: still running after ``within``)."""
+    started = time.monotonic()
+    ended: dict[int, float | None] = {pid: None for pid in pids}
+    while time.monotonic() - started < within and any(t is None for t in ended.values()):
+        for pid in pids:
+            if ended[pid] is None and not alive(pid):
+                ended[pid] = round(time.monotonic() - started, 1)
+        time.sleep(0.1)
+    return ended
+
+
+def error_lines(logs: Path, node: int) -> list[str]:
+    return [line for line in (logs / f"node{node}.log").read_text().splitlines() if line.startswith("distlm: error")]
+
+
+@pytest.mark.cluster
+def test_a_restart_across_nodes_resumes_and_equals_an_uninterrupted_run(cluster, data_dir, tmp_path):
+    save_dir, logs = tmp_path / "restarted", tmp_path / "logs"
+    agents = torchrun_on(cluster, (0, 1), "restart", ["--max-restarts", "1", "--no-python", sys.executable, "-c",
+                                                      DIE_AFTER_SAVE, *cluster_args(data_dir, save_dir, 8)], logs)
+    reference = Scenarios(2, [("straight", fit, (cluster_args(data_dir, tmp_path / "straight", 8),))], timeout=240)
+    for agent in agents:
+        agent.wait(timeout=RUN_TIMEOUT)
+    log = "\n".join((logs / f"node{node}.log").read_text() for node in (0, 1))
+    assert [agent.returncode for agent in agents] == [0, 0], log[-4000:]
+    # Node 1's agent counted a restart, node 0's restarted its healthy worker for the rejoining
+    # node without counting one: both met in rank 0's new store and resumed the last checkpoint.
+    assert f"resumed from {save_dir / 'checkpoint_last'} at update {SAVE_EVERY} " in log, log[-4000:]
+    assert "rank 0: torchrun restarted the job (restart 0 here); waiting up to 80 s for ranks 1-1" in log
+    reference["straight"]
+    trained, straight = last_checkpoint(save_dir), last_checkpoint(tmp_path / "straight")
+    assert trained["num_updates"] == straight["num_updates"] == 8
+    assert_models_identical(trained["model"], straight["model"])
+
+
+@pytest.mark.cluster
+def test_a_killed_agent_takes_its_worker_and_the_job_ends(cluster, data_dir, tmp_path):
+    """Node 1's agent is killed: its worker dies with it, rank 0 names it, and node 0's agent
+    restarts and waits for node 1 to rejoin for no longer than docs/clusters.md's join_timeout."""
+    save_dir, logs = tmp_path / "run", tmp_path / "logs"
+    join_timeout = 5
+    agents = torchrun_on(cluster, (0, 1), "agent", ["-m", "distlm.train", *cluster_args(data_dir, save_dir, 100000)],
+                         logs, ["--max-restarts", "1", "--rdzv-conf", f"join_timeout={join_timeout}"])
+    wait_for(save_dir / f"checkpoint_{SAVE_EVERY}", agents, logs)
+    pids = cluster.pids(0) + cluster.pids(1)
+    agents[1].kill()
+    ended = end_times(pids, TIMEOUT_SEC + MARGIN_SEC + join_timeout)
+    assert None not in ended.values(), (ended, error_lines(logs, 0))
+    assert agents[0].wait() == 1
+    [line] = error_lines(logs, 0)
+    assert re.search(r"rank 0: a collective of update \d+ did not complete \(--timeout-sec 10\): ranks \[1\] stopped "
+                     r"responding \(rank 1 last completed update \d+\) on host node1", line), line
+
+
+@pytest.mark.cluster
+def test_a_cut_link_ends_every_process_within_the_bound(cluster, data_dir, tmp_path):
+    """Two jobs side by side, each cut off between its nodes: the workers of both end within
+    --timeout-sec + MARGIN_SEC, each naming whom it lost; torchrun's agent on the cut-off node
+    of the job without docs/clusters.md's kernel setting waits for TCP to give up (not
+    asserted: torch's), and every process of the job with it ends within the bound too."""
+    setting = next(line.strip() for line in (Path(__file__).resolve().parents[1] / "docs" / "clusters.md")
+                   .read_text().splitlines() if line.strip().startswith("sysctl -w net.ipv4.tcp_retries2="))
+    for node in (2, 3):
+        cluster.run(node, setting.split(), check=True)
+    jobs = {}
+    for nodes in ((0, 1), (2, 3)):
+        logs = tmp_path / f"logs{nodes[0]}"
+        jobs[nodes] = torchrun_on(cluster, nodes, f"cut{nodes[0]}", ["-m", "distlm.train", *cluster_args(
+            data_dir, tmp_path / f"run{nodes[0]}", 100000)], logs)
+    for nodes, agents in jobs.items():
+        wait_for(tmp_path / f"run{nodes[0]}" / f"checkpoint_{SAVE_EVERY}", agents, tmp_path / f"logs{nodes[0]}")
+    before = {node: cluster.pids(node) for node in range(4)}
+    cluster.cut(1)
+    cluster.cut(3)
+    ended = end_times([pid for pids in before.values() for pid in pids], TIMEOUT_SEC + MARGIN_SEC)
+    unbounded = jobs[(0, 1)][1].pid  # node 1's agent, without the kernel setting
+    late = {node: [pid for pid in before[node] if ended[pid] is None and pid != unbounded] for node in range(4)}
+    assert late == {0: [], 1: [], 2: [], 3: []}, ended
+    for first in (0, 2):  # each side names the rank and the host it lost, in one line
+        [rank0], [rank1] = (error_lines(tmp_path / f"logs{first}", node) for node in (first, first + 1))
+        assert re.search(r"ranks \[1\] stopped responding \(rank 1 last completed update \d+\) on host "
+                         rf"node{first + 1}", rank0), rank0
+        assert f"lost host node{first}: ranks [0] there and torchrun's agent store there" in rank1, rank1
