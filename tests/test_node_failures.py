@@ -1,7 +1,15 @@
-"""Node failures: restarts across torchrun agents, lost agents, lost links, lost shards.
+"""Node failures: restarts across torchrun agents, lost agents, cut links, lost shards.
 
-The store tests need no process group: each rank's side of distlm/attempt_store.py runs
-on a thread against a TCPStore that stands in for torchrun's agent.
+- The store of a restarted attempt (distlm/attempt_store.py): each rank's side runs on a
+  thread against a TCPStore that stands in for torchrun's agent; no process group.
+- A worker dies with its agent: a plain process tree.
+- A save dir that is not one file system: one 2-rank job whose rank 1 has a mount
+  namespace of its own, where a directory mounted over --save-dir is its node-local disk.
+- On the simulated cluster (tests/cluster.py, marker ``cluster``, one cluster of 4 nodes
+  for the module, at most 4 training processes at once): a worker killed under
+  --max-restarts, a killed agent, and cut links, with torchrun's c10d rendezvous.
+
+About 2 minutes here, most of it the three cluster tests.
 """
 
 from __future__ import annotations
@@ -12,7 +20,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,21 +32,21 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from cluster import Cluster, require_cluster
+from conftest import LAUNCHER_VARIABLES
+from distributed import Scenarios
 from distlm import attempt_store
 from distlm.backends import DistributedTimeout
 from distlm.backends.base import create_store
 from distlm.checkpoint import integrity
 from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError
+from distlm.checkpoint.lock import GUARD_FILE
 from distlm.config import parse_args
+from distlm.env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.heartbeat import RankState, describe_missing
 from distlm.trainer import Trainer
-from cluster import Cluster, require_cluster
-from conftest import LAUNCHER_VARIABLES
-from distributed import Scenarios
 from test_launch import args_for, assert_models_identical, fit, last_checkpoint
-from distlm.checkpoint.lock import GUARD_FILE
-from distlm.env import ClusterEnv
 
 SHORT = datetime.timedelta(seconds=1)
 
@@ -178,8 +185,8 @@ _CLONE_NEWNS = 0x00020000
 
 
 def own_mount_namespace() -> None:
-    """This process (a worker forked single-threaded) gets a mount namespace of its own,
-    whose mounts nobody else sees: where it mounts a directory over --save-dir, it has a
+    """This thread, and the threads and processes it starts, get a mount namespace of their
+    own whose mounts nobody else sees: where it mounts a directory over --save-dir, that is a
     node-local disk."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWNS) != 0:
@@ -197,10 +204,16 @@ def node_local_args(data_dir: str, save_dir: Path) -> list[str]:
             "--save-dir", str(save_dir), "--device", "cpu", "--seed", "1"]
 
 
+def rank_1_on_a_node_of_its_own() -> None:
+    """The job's first scenario: rank 1 enters its mount namespace while it is still one
+    thread (the namespace is the calling thread's, and threads started later inherit it)."""
+    if int(os.environ["RANK"]) == 1:
+        own_mount_namespace()
+
+
 def refused_at_start(data_dir: str, root: Path) -> str:
     """Rank 1's --save-dir is a disk of its own from the start: training must not begin."""
     if int(os.environ["RANK"]) == 1:
-        own_mount_namespace()
         mount_over(root / "refused", root / "node1-disk-a")
     try:
         Trainer(parse_args(node_local_args(data_dir, root / "refused")))
@@ -237,12 +250,14 @@ def node_local(data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("node-local")
     for name in ("refused", "lost", "node1-disk-a", "node1-disk-b"):
         (root / name).mkdir()
-    return root, Scenarios(2, [("refused", refused_at_start, (data_dir, root)),
+    return root, Scenarios(2, [("namespace", rank_1_on_a_node_of_its_own, ()),
+                               ("refused", refused_at_start, (data_dir, root)),
                                ("lost", loses_a_shard, (data_dir, root))], timeout=240)
 
 
 def test_a_node_local_save_dir_is_refused_before_the_first_update(node_local):
     root, outcomes = node_local
+    outcomes["namespace"]
     host = socket.gethostname()
     # Every rank refuses, in the Trainer's start: no update ran. The entry point prints the
     # line and exits with status 2, as for any UsageError.
