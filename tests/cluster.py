@@ -50,11 +50,15 @@ API (``i`` is a node index, 0 .. nodes-1):
     For OpenMPI across the nodes without ssh: ``mpiexec --hostfile HOSTFILE --mca
     plm_rsh_agent AGENT`` from inside node 0; the agent starts each remote daemon inside
     its node with ``enter``.
+``kill_session(proc)``
+    SIGKILL a command ``popen`` started, with everything in its session, if it still runs.
 ``close()``
-    The teardown, also run on leaving the ``with`` block, at interpreter exit, and by the
-    next cluster of a later test run for a cluster whose process died: kill every process
-    it started and every process inside its nodes (by pid, SIGKILL), remove the nft
-    tables, the namespaces, the bridge, the ``/etc/netns`` directories and ``workdir``.
+    The teardown, also run on leaving the ``with`` block (a failed or timed-out test
+    included) and at interpreter exit: kill every process it started and every process
+    inside its nodes (by pid, SIGKILL), delete the namespaces (their nft tables with them)
+    and the bridge's, the ``/etc/netns`` directories and ``workdir``. A cluster whose test
+    process was killed outright is swept (processes, namespaces, hosts files) by the next
+    cluster built on this machine.
 
 Names are ``distlm-PID-SEQ-...`` (this process's pid, a counter), so two test runs, or two
 clusters of one run, never collide. Nothing is attached to this host's own network

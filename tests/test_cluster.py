@@ -16,7 +16,8 @@ fairseq's launch says nothing about which ranks share a host; distlm must find 2
 2 ranks from the hosts themselves (a 4 x 1 guess groups and sums differently).
 
 One cluster serves the module, runs go one after another (at most 4 training processes on
-this machine's 2 cores), and the one-node references are computed once. About 1.5-2 min.
+this machine's 2 cores), and the one-node references are computed once. About 2 min on an
+idle machine, twice that when other jobs share its cores.
 """
 
 from __future__ import annotations
@@ -175,8 +176,12 @@ def test_mpiexec_with_a_hostfile_across_nodes_equals_one_node(cluster, one_node,
     # OpenMPI starts node1's daemon through the rsh agent, which enters node1's namespace
     # where ssh would log in; MPI's shared-memory communicator then sees two hosts.
     save_dir = tmp_path / "run"
-    mpiexec = ["mpiexec", "--allow-run-as-root", "--hostfile", str(cluster.hostfile(2)),
-               "--mca", "plm_rsh_agent", str(cluster.rsh_agent()), "-n", "4", "-x", "OMP_NUM_THREADS"]
+    # --bind-to none: each node's daemon would pin its ranks to cores 0 and 1, which both nodes
+    # share here, and the ranks could not move off a core that other work keeps busy. Ranks
+    # waiting in MPI (for a peer still importing torch) yield the core instead of spinning.
+    mpiexec = ["mpiexec", "--allow-run-as-root", "--bind-to", "none", "--hostfile", str(cluster.hostfile(2)),
+               "--mca", "plm_rsh_agent", str(cluster.rsh_agent()), "--mca", "mpi_yield_when_idle", "1",
+               "-n", "4", "-x", "OMP_NUM_THREADS"]
     if "PYTHONPATH" in os.environ:
         mpiexec += ["-x", "PYTHONPATH"]
     # OpenMPI gives ranks a terminal: JSON lines keep tqdm's bars out of the output.
