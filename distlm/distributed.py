@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from distlm.attempt_store import current_attempt
 from distlm.backends import Backend, get_backend
 from distlm.backends.base import uses_agent_store
 from distlm.builder import ModelSpec
@@ -29,6 +30,7 @@ from distlm.env import ClusterEnv, ExplicitLaunch, node_layout, place_by_hosts, 
 from distlm.errors import first_line
 from distlm.heartbeat import Heartbeat, current_heartbeat, start_heartbeat, stop_heartbeat
 from distlm.mesh import ParallelDims
+from distlm.signals import die_with_torchrun_agent
 from distlm.parallel.api import ParallelOptions
 from distlm.parallel.pipeline import options_from_config as pipeline_options
 from distlm.validation import validate_run
@@ -173,6 +175,8 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     )
     if env.launcher == "mpi" and env.is_distributed:
         env = resolve_master_via_mpi(env)  # mpiexec exports no master address
+    if env.launcher == "torchelastic":
+        die_with_torchrun_agent()  # also for the tools and the Python API; train.py asked already
     backend = get_backend(settings.device)
     dims, spec = validate_run(config, env, backend, model)
     if config.compile.compile_cache:
@@ -192,7 +196,7 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     # launcher's local rank, as setup() chose it: the hosts are known only after a collective.
     device = backend.device(env)
     if env.is_distributed:
-        env = _place_by_hosts(env)
+        env = _place_by_hosts(env, heartbeat)
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
@@ -226,11 +230,14 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
     )
 
 
-def _place_by_hosts(env: ClusterEnv) -> ClusterEnv:
+def _place_by_hosts(env: ClusterEnv, heartbeat: Heartbeat | None = None) -> ClusterEnv:
     """Every rank's host, all-gathered once at start: the nodes where the launcher does not say
-    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``)."""
+    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``).
+    The heartbeat keeps their names, to name the hosts of ranks lost later."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, (this_host(), env.node_rank))
+    if heartbeat is not None:
+        heartbeat.hosts = [host.name for host, _ in gathered]
     env, line = place_by_hosts(env, [host for host, _ in gathered], [node for _, node in gathered])
     if env.rank == 0:
         logger.info("%s", line)
@@ -243,10 +250,14 @@ def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat 
     if not env.is_distributed or env.master_addr is None or env.master_port is None:
         return None
     interval = min(2.0, max(0.1, timeout.total_seconds() / 10))
+    agent_store = uses_agent_store(env, os.environ)
+    # In torchrun's store, which outlives restarts, each attempt's beats are kept apart by
+    # the attempt's id (the restart count differs between nodes: distlm/attempt_store.py).
+    attempt = current_attempt() if agent_store else None
     try:
         return start_heartbeat(env.master_addr, env.master_port, env.rank, env.world_size, interval,
-                               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-                               store_host=None if uses_agent_store(env, os.environ) else 0)
+                               restart=attempt or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                               store_host=None if agent_store else 0)
     except (RuntimeError, dist.DistStoreError) as err:
         logger.warning("rank %d: no heartbeat side channel (%s); a hung collective will not name its ranks",
                        env.rank, err)

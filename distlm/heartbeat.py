@@ -5,7 +5,9 @@ update it entered and the last it completed) into the rendezvous store, under a 
 of its own. A thread keeps beating while the main thread waits in a collective (which
 releases the GIL), so when a collective times out the ranks that are still alive say
 where they are. A rank that was stopped (SIGSTOP), died, or hangs with the GIL held
-stops beating. Counters rather than clock times, so hosts need no common clock.
+stops beating. Counters rather than clock times, so hosts need no common clock. Every
+rank's host, gathered at start, names the host a rank lost, even once the store is out of
+reach.
 
 The store lives where the process group's rendezvous store lives: in torchrun's agent,
 or (srun, mpiexec, a Kubeflow PyTorchJob, fairseq's flags) in rank 0's own process. Then
@@ -48,6 +50,8 @@ class Heartbeat:
         store = dist.TCPStore(master_addr, master_port, is_master=False,
                               timeout=datetime.timedelta(seconds=max(10.0, 4 * interval)))
         self.store = dist.PrefixStore(f"{_PREFIX}/restart{restart}", store)
+        self.hosts: list[str] | None = None
+        """Every rank's host name, as gathered at start (distlm/distributed.py)."""
         self._entered = 0
         self._completed = 0
         self._beats = 0
@@ -147,7 +151,8 @@ class Heartbeat:
 
     def describe_missing(self, update: int) -> str:
         """The ranks the collective of ``update`` waits for, in words, asked through the store."""
-        return describe_missing(self.ranks(), update, self.rank, self.world_size, self.store_host, self.completed)
+        return describe_missing(self.ranks(), update, self.rank, self.world_size, self.store_host, self.completed,
+                                self.hosts)
 
     def close(self) -> None:
         self._stopped.set()
@@ -180,15 +185,25 @@ def stop_heartbeat() -> None:
 
 
 def describe_missing(states: list[RankState] | None, update: int, me: int, world_size: int,
-                     store_host: int | None, completed: int) -> str:
+                     store_host: int | None, completed: int, hosts: list[str] | None = None) -> str:
     """Which ranks update ``update``'s collective waits for, in words.
 
     ``states`` None means the store did not answer: ``store_host`` says who serves it (a
     rank, or None for the launcher's agent), ``completed`` the last update rank ``me``
-    finished. When a rank serves the store, its silence names that rank.
+    finished. When a rank serves the store, its silence names that rank. ``hosts``, every
+    rank's host, names the hosts too when the ranks run on more than one.
     """
+    if hosts is not None and len(set(hosts)) == 1:
+        hosts = None  # one host: naming it says nothing
     if states is None:
         if store_host is None:
+            # torchrun's agent on rank 0's host serves the store: from another host, its
+            # silence means that host is out of reach.
+            if hosts is not None and hosts[me] != hosts[0]:
+                lost = [rank for rank in range(world_size) if hosts[rank] == hosts[0]]
+                return (f"lost host {hosts[0]}: ranks {lost} there and torchrun's agent store there, which holds "
+                        f"every rank's progress, do not answer (a cut link, or the host stopped); rank {me} on host "
+                        f"{hosts[me]} still waits in update {update} (it last completed update {completed})")
             return ("the ranks cannot be asked: the store of the launcher's agent, which holds their progress, "
                     "does not answer")
         if store_host == me:
@@ -196,17 +211,27 @@ def describe_missing(states: list[RankState] | None, update: int, me: int, world
         others = world_size - 2
         rest = f"; the other {others} ranks' progress is kept in that store" if others > 0 else ""
         return (f"ranks [{store_host}] stopped responding (rank {store_host} serves the rendezvous store, "
-                f"which does not answer either); ranks [{me}] still wait in update {update} "
-                f"(rank {me} last completed update {completed}){rest}")
+                f"which does not answer either){_on_hosts([store_host], hosts)}; ranks [{me}] still wait in update "
+                f"{update} (rank {me} last completed update {completed}){rest}")
     silent = [s for s in states if not s.beating and s.rank != me]
     behind = [s for s in states if s.beating and s.entered < update and s.rank != me]
     parts = []
     if silent:
         parts.append(f"ranks {[s.rank for s in silent]} stopped responding ("
-                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in silent) + ")")
+                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in silent) + ")"
+                     + _on_hosts([s.rank for s in silent], hosts))
     if behind:
         parts.append(f"ranks {[s.rank for s in behind]} have not started update {update} ("
-                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in behind) + ")")
+                     + ", ".join(f"rank {s.rank} last completed update {s.completed}" for s in behind) + ")"
+                     + _on_hosts([s.rank for s in behind], hosts))
     if not parts:
         return f"every rank is alive and in update {update}; a link between them failed"
     return "; ".join(parts)
+
+
+def _on_hosts(ranks: list[int], hosts: list[str] | None) -> str:
+    """`` on host node1`` (``on hosts a, b``) for ``ranks``; empty without ``hosts``."""
+    if hosts is None:
+        return ""
+    names = list(dict.fromkeys(hosts[rank] for rank in ranks))
+    return f" on host{'s' if len(names) > 1 else ''} {', '.join(names)}"

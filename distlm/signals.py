@@ -15,12 +15,14 @@ written by the C-level handler at once.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Mapping
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -42,6 +44,34 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
     signal.set_wakeup_fd(-1)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+# prctl(2)'s option: the signal this process gets when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_torchrun_agent(environ: Mapping[str, str] | None = None) -> bool:
+    """Under torchrun, end this worker with SIGKILL when its agent, its parent, dies; True
+    where that was arranged.
+
+    An agent killed with SIGKILL cannot stop its workers: they went on training with the
+    other nodes, and the other nodes' agents, seeing healthy workers, neither restarted nor
+    failed. Dying with the agent turns a lost agent into a lost rank, which the others name
+    within --timeout-sec and their agents act on. SIGKILL, not a stop signal: the agent
+    would have killed its workers itself, and a worker that has lost its agent cannot be
+    restarted anyway. Linux only (prctl); a worker started through a shell that torchrun
+    runs (``--no-python bash -c``) has the shell as parent and is not covered.
+    """
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 class StoppedBeforeTraining(Exception):

@@ -16,12 +16,13 @@ from typing import Sequence
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError, exit_without_teardown, print_last_line, rank_from_environment, report_usage_error
 from distlm.python_api import LOG_FORMAT
-from distlm.signals import StoppedBeforeTraining, exit_status
+from distlm.signals import StoppedBeforeTraining, die_with_torchrun_agent, exit_status
 
 ERROR_PREFIX = "distlm: error: "
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_torchrun_agent()  # first: a worker orphaned while it imports would train on alone
     rank = rank_from_environment()
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

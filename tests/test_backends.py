@@ -22,7 +22,6 @@ import torch.distributed as dist
 import distlm
 from distributed import run_distributed
 from distlm.backends import DistributedInitError, DistributedTimeout, get_backend, resolve_device
-from distlm.backends.base import create_store
 from distlm.backends.cpu import CpuBackend
 from distlm.backends.cuda import CudaBackend, check_cuda_precision, supports_gpudirect_rdma
 from distlm.backends.efa import EFA_PRESET, EFA_RDMA_PRESET, apply_env_preset, configure_network, find_efa_devices
@@ -363,19 +362,6 @@ def test_xla_with_several_processes_needs_torchrun():
 
 
 # --------------------------------------------------------------------------- process group start
-
-
-def test_store_is_prefixed_by_restart_count_and_joins_the_agent_store():
-    # torchrun's agent already serves the store; rank 0 must connect, not bind again.
-    agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    agent.set("distlm/restart1/from-agent", "hello")
-    env = make_env(rank=0, port=agent.port, launcher="torchelastic")
-    environ = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
-    store = create_store(env, datetime.timedelta(seconds=5), environ)
-    assert store.get("from-agent") == b"hello"
-    store.set("from-worker", "hi")
-    assert agent.get("distlm/restart1/from-worker") == b"hi"
-    assert not agent.check(["from-worker"])  # nothing leaks outside this attempt's prefix
 
 
 def test_single_process_group_lets_the_os_pick_the_port():

@@ -122,15 +122,15 @@ def _doctor(argv_by_rank: list[list[str]], stall_rank: int | None = None, stall_
     """Run ``main`` with this rank's arguments; ``stall_rank`` sleeps before writing its probe file."""
     rank = int(os.environ["RANK"])
     if rank == stall_rank:
-        from distlm.doctor import save_dir
+        from distlm.checkpoint import shared_dir
 
-        write_probe = save_dir.write_probe
+        write_probe = shared_dir.write_probe
 
         def stalled_write(*args, **kwargs):
             time.sleep(stall_sec)
             return write_probe(*args, **kwargs)
 
-        save_dir.write_probe = stalled_write
+        shared_dir.write_probe = stalled_write
     _line_up(len(argv_by_rank))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

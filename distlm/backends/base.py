@@ -21,6 +21,7 @@ import torch.distributed as dist
 from distlm.choices import NETWORKS, PRECISIONS
 from distlm.env import ClusterEnv
 from distlm.errors import UsageError, first_line
+from distlm.attempt_store import StoreWaitTimeout, join_attempt
 from distlm.master_probe import check_master_answers
 from distlm.precision import computes_in_fp16
 
@@ -73,11 +74,9 @@ def create_store(
 ) -> dist.Store:
     """The rendezvous store for ``init_process_group``, built here rather than by ``env://``.
 
-    Rank 0 serves a TCPStore at the master address unless torchrun's agent already does
-    (then every worker is a client, as torch's own env:// rendezvous does). The store is
-    wrapped in a prefix keyed by ``TORCHELASTIC_RESTART_COUNT``: after a torchrun restart
-    the agent's store still holds the previous attempt's gloo addresses, and workers
-    that read them fail with "connectFullMesh ... Connection refused" or hang.
+    Rank 0 serves a TCPStore at the master address. Under torchrun, whose agent already
+    serves one there, rank 0 serves its own on a port the OS picks and announces it in
+    the agent's (distlm/attempt_store.py says why: the agent's store outlives restarts).
     """
     environ = os.environ if environ is None else environ
     if env.master_addr is None:
@@ -90,8 +89,15 @@ def create_store(
         if env.world_size > 1:
             raise UsageError(f"launcher {env.launcher} gives no master port: export MASTER_PORT")
         port = 0  # one process: the OS picks a port that is free, no guessing
-    is_master = env.rank == 0 and not uses_agent_store(env, environ)
-    if not is_master and not uses_agent_store(env, environ):
+    if uses_agent_store(env, environ):
+        try:
+            return join_attempt(env.master_addr, port, env.rank, env.world_size, timeout, environ)
+        except StoreWaitTimeout as err:
+            raise DistributedTimeout(f"{_where(env, port)}: {err}") from err
+        except (dist.DistError, RuntimeError) as err:
+            raise describe_init_failure(err, env, port, timeout, "the rendezvous store") from err
+    is_master = env.rank == 0
+    if not is_master:
         check_master_answers(env.master_addr, port, env.rank, timeout.total_seconds())
     try:
         store = dist.TCPStore(
@@ -106,8 +112,11 @@ def create_store(
         )
     except (dist.DistError, RuntimeError) as err:
         raise describe_init_failure(err, env, port, timeout, "the rendezvous store") from err
-    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"distlm/restart{restart}", store)
+    return store
+
+
+def _where(env: ClusterEnv, port: int) -> str:
+    return f"rank {env.rank} of world size {env.world_size} (launcher {env.launcher}, master {env.master_addr}:{port})"
 
 
 def describe_init_failure(
@@ -115,7 +124,7 @@ def describe_init_failure(
 ) -> DistributedInitError:
     cause = first_line(err)
     timed_out = "time" in cause.lower()  # "Timed out", "timed out", "timeout"
-    where = f"rank {env.rank} of world size {env.world_size} (launcher {env.launcher}, master {env.master_addr}:{port})"
+    where = _where(env, port)
     if timed_out:
         return DistributedTimeout(
             f"{where} gave up on {stage} after {timeout.total_seconds():g} s: {cause}. "

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.agreement import data_files
-from distlm.checkpoint import compare, directory, integrity, legacy, storage
+from distlm.checkpoint import compare, directory, integrity, legacy, shared_dir, storage
 from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.lock import SaveDirLock
 from distlm.checkpoint.state import ModelState, OptimizerState, RNGState, load_full_optimizer_state
@@ -147,10 +147,23 @@ class Checkpointer:
         refused = [rank for rank, problem in enumerate(problems) if problem is not None]
         if refused:
             raise UsageError(f"--save-dir {self.save_dir} is not usable on ranks {refused} (their errors say why)")
+        self._check_shared()
         if self.settings.async_save and self.ctx.is_distributed:
             # Background saves run their collectives on a group of their own, so they never
             # interleave with the training loop's collectives on the default group.
             self._async_group = dist.new_group(backend="gloo")
+
+    def _check_shared(self) -> None:
+        """Refuse, before the first update, a save dir that is not one file system for every
+        rank (collective): its checkpoints would lie in pieces on several disks."""
+        if not self.ctx.is_distributed:
+            return
+        reports = shared_dir.probe_save_dir(self.ctx.rank, self.ctx.world_size, str(self.save_dir),
+                                            self.ctx.all_gather_object)
+        problem = reports if isinstance(reports, str) else shared_dir.sharing_problem(reports)
+        if problem is not None:
+            self.close()  # a refused run leaves no lock behind
+            raise UsageError(f"--save-dir {problem}")
 
     def find_resume(self) -> Resume | None:
         """The checkpoint to resume from, the same on every rank, or None (collective)."""
@@ -540,6 +553,8 @@ class Checkpointer:
         gathered = self.ctx.all_gather_object(written)
         failure = next((result for result in gathered if isinstance(result, str)), None)
         if self.ctx.is_main and failure is None:
+            failure = _unseen_shard(staged, gathered)
+        if self.ctx.is_main and failure is None:
             failure = self._lock_lost()  # the last moment before the save would replace a checkpoint
         if self.ctx.is_main and failure is None:
             try:
@@ -575,6 +590,18 @@ class Checkpointer:
         raise CheckpointError(
             f"saving {', '.join(names)} in {self.save_dir} failed: {reason}; the previous checkpoint is intact"
         ) from None
+
+
+def _unseen_shard(staged: Path, written: list[dict[str, dict[str, Any]]]) -> str | None:
+    """Rank 0: the first file a rank wrote that ``staged`` does not hold as rank 0 sees it, in
+    words, or None. A save dir that is not one file system (a mount lost, a node-local disk)
+    keeps a rank's shards where no reader looks; committed, the checkpoint could not be read."""
+    for rank, files in enumerate(written):
+        unseen = shared_dir.unseen_files(staged, {name: entry["size"] for name, entry in files.items()})
+        if unseen:
+            return (f"shard {unseen[0]} written by rank {rank} is not in {staged} as rank 0 sees it: "
+                    f"{shared_dir.REMEDY}")
+    return None
 
 
 def _unusable_save_dir(save_dir: Path) -> str | None:
