@@ -195,13 +195,17 @@ def init_distributed(config, model: torch.nn.Module | None = None) -> DistContex
     # After the process group: a PJRT device learns its place in the job from it. From the
     # launcher's local rank, as setup() chose it: the hosts are known only after a collective.
     device = backend.device(env)
+    hosts_line = None
     if env.is_distributed:
-        env = _place_by_hosts(env, heartbeat)
+        env, hosts_line = _place_by_hosts(env, heartbeat)
     context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat,
                           spec=spec)
     if context.is_main:
+        # The launcher's line opens the log (fairseq's order), the hosts' findings follow it.
         logger.info("%s; device %s, layout %s, strategy %s", env.describe(), device, describe_layout(context.layout),
                     dims.strategy)
+        if hosts_line:
+            logger.info("%s", hosts_line)
     return context
 
 
@@ -230,18 +234,16 @@ def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
     )
 
 
-def _place_by_hosts(env: ClusterEnv, heartbeat: Heartbeat | None = None) -> ClusterEnv:
+def _place_by_hosts(env: ClusterEnv, heartbeat: Heartbeat | None = None) -> tuple[ClusterEnv, str]:
     """Every rank's host, all-gathered once at start: the nodes where the launcher does not say
-    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``).
-    The heartbeat keeps their names, to name the hosts of ranks lost later."""
+    them, a one-line refusal where it says something the hosts contradict (``place_by_hosts``),
+    and the line saying what was found. The heartbeat keeps the hosts' names, to name the
+    hosts of ranks lost later."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, (this_host(), env.node_rank))
     if heartbeat is not None:
         heartbeat.hosts = [host.name for host, _ in gathered]
-    env, line = place_by_hosts(env, [host for host, _ in gathered], [node for _, node in gathered])
-    if env.rank == 0:
-        logger.info("%s", line)
-    return env
+    return place_by_hosts(env, [host for host, _ in gathered], [node for _, node in gathered])
 
 
 def _start_heartbeat(env: ClusterEnv, timeout: datetime.timedelta) -> Heartbeat | None:
