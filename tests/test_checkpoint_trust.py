@@ -12,6 +12,7 @@ can: checksums are not signatures, so the reading itself must refuse.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -292,6 +293,50 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoi
     said = [r.getMessage() for r in caplog.records
             if f"{intact / checkpoint.LAST}: checksums not verified (--no-verify-checkpoint)" in r.getMessage()]
     assert len(said) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in said), said
+
+
+def test_checksums_computed_while_writing_equal_the_files_read_back(tmp_path, monkeypatch):
+    """DCP's shards and metadata are hashed as they are written (the metadata under its
+    temporary name, then renamed); each entry equals SHA-256 and size of the file read back,
+    and the commit's table takes them without reading the files again."""
+    state = {"weight": torch.randn(300, 37), "nested": {"step": 3, "ids": torch.arange(10)}}
+    writer = integrity.HashingWriter(tmp_path / "save")
+    torch.distributed.checkpoint.save(state, storage_writer=writer, no_dist=True)
+    hashed = writer.hashed()
+    on_disk = sorted(str(path.relative_to(tmp_path / "save")) for path in (tmp_path / "save").rglob("*")
+                     if path.is_file())
+    assert ".metadata" in on_disk and sorted(hashed) == on_disk
+    for name in on_disk:
+        data = (tmp_path / "save" / name).read_bytes()
+        assert hashed[name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    (tmp_path / "save" / "tokenizer.json").write_text("{}")  # a file the save copies in: read back
+
+    def read_back(path: Path) -> dict:
+        assert path.name == "tokenizer.json", f"{path} was read back"
+        return {"size": 2, "sha256": "read"}
+    monkeypatch.setattr(integrity, "digest", read_back)
+    table = integrity.digests(tmp_path / "save", [*on_disk, "tokenizer.json"], hashed)
+    assert table == {**hashed, "tokenizer.json": {"size": 2, "sha256": "read"}}
+
+
+def test_a_table_recorded_by_reading_the_files_back_still_verifies(runs, tmp_path):
+    """A checkpoint saved before the hashes were taken while writing recorded each file's
+    SHA-256 as read back from disk: the same table, so such a checkpoint still opens verified."""
+    path = tmp_path / checkpoint.LAST
+    shutil.copytree(runs / "bytes" / checkpoint.LAST, path)
+    meta = json.loads((path / "distlm.json").read_text())
+    older = {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+             for name in meta["files"] for data in [(path / name).read_bytes()]}
+    assert older == meta["files"]
+    (path / "distlm.json").write_text(json.dumps({**meta, "files": older}))
+    reader = CheckpointReader(path)
+    assert reader.keys()
+    shard = path / next(name for name in older if name.endswith(".distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match=f"{shard} differs from what was written"):
+        CheckpointReader(path)
 
 
 def test_the_checksums_list_every_file_the_save_wrote_and_nothing_else_is_read(runs, tmp_path, capsys, caplog,

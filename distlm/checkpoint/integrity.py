@@ -2,8 +2,11 @@
 
 At a save every rank hashes the files it wrote (its shards; rank 0 also DCP's metadata
 and the tokenizer files) and rank 0 records name, size and SHA-256 of each under
-``files`` in ``distlm.json``. A resume verifies them before loading, each rank a share
-of the files; an export verifies them all. A flipped byte so ends in one line naming
+``files`` in ``distlm.json``. DCP's files are hashed as their bytes are written
+(``HashingWriter``), not read back: SHA-256 (the CPU's SHA instructions) was the fastest of
+hashlib's algorithms here and runs near the disk's own write rate, so a second read would add
+as much again. The table names its algorithm in each entry's key (``sha256``). A resume
+verifies them before loading, each rank a share of the files; an export verifies them all. A flipped byte so ends in one line naming
 the file instead of a wrong weight.
 
 The table is the whole checkpoint: a reader refuses one without it (a tool that rewrote
@@ -19,10 +22,14 @@ wrote; the user who wants it passes ``--no-verify-checkpoint``.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from distlm.checkpoint import directory
 from distlm.errors import UsageError
@@ -50,8 +57,92 @@ def written_by(staged: Path, rank: int) -> list[str]:
     return names
 
 
-def digests(staged: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: digest(staged / name) for name in names}
+def digests(staged: Path, names: list[str],
+            hashed: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of each of ``names``: from ``hashed`` (computed while they were
+    written) where it has them, else read back (files a save copies in, such as the tokenizer's)."""
+    hashed = hashed or {}
+    return {name: hashed[name] if name in hashed else digest(staged / name) for name in names}
+
+
+class _HashingFile(io.RawIOBase):
+    """A file opened for writing whose SHA-256 and size follow each write. It refuses to
+    seek, so the digest is of the bytes in the order they lie in the file."""
+
+    def __init__(self, raw: io.BufferedWriter):
+        super().__init__()
+        self._raw = raw
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    @property
+    def name(self) -> str:
+        return self._raw.name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        if written != len(view):  # a buffered file writes everything or raises
+            raise OSError(f"{self._raw.name}: wrote {written} of {len(view)} bytes")
+        self.sha.update(view)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes the file first
+            self._raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every file it writes; ``written`` maps each path to
+    its size and SHA-256 once the file is closed (a rename carries its entry along)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[Path, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw, _HashingFile(raw) as stream:
+            yield stream  # DCP closes it itself after its fsync
+            self.written[Path(path)] = {"size": stream.size, "sha256": stream.sha.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path) in self.written:
+            self.written[Path(new_path)] = self.written.pop(Path(path))
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file writer that hashes each file as it writes it (``hashed()``), so that a
+    save need not read its shards back to record their checksums."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    def hashed(self) -> dict[str, dict[str, Any]]:
+        """Name inside the checkpoint -> size and SHA-256 of each file this writer wrote there."""
+        root = Path(self.path)
+        return {str(path.relative_to(root)): entry for path, entry in self.fs.written.items()
+                if path.is_relative_to(root)}
 
 
 def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None) -> str | None:
