@@ -15,7 +15,11 @@ dir. Every round measures, in a rotating order:
   waiting for the save to be on disk. The stall is that time minus the baseline: what the
   save cost the training run. ``blocked_s`` is how long the save call itself held the
   training loop (for async: staging a copy into host memory);
-- ``load``: the checkpoint just written, read back into the same model and optimizer.
+- ``load``: the checkpoint just written, read back into the same model and optimizer;
+- ``checksums``: the same training state saved by ``torch.distributed.checkpoint.save``
+  alone three ways: without checksums (``plain``), each file's CRC-32 computed while writing
+  it, as a save does (``hashing``), and SHA-256 by reading the files back after the plain save,
+  as saves did before (``read_back``); the report gives each one's overhead over ``plain``.
 
 Peak host memory is the kernel's high-water mark of each rank's resident memory, reset
 before the save (or load) and read when it is on disk, minus what the rank held before:
@@ -41,8 +45,10 @@ from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from distlm.checkpoint import LAST, Checkpointer
+from distlm.checkpoint import LAST, Checkpointer, integrity
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.memory import memory_report
@@ -145,6 +151,23 @@ class Bench:
         dist.barrier()
         return {"total_s": time.perf_counter() - start, "blocked_s": blocked}
 
+    def checksum_round(self, mode: str, directory: Path) -> float:
+        """Seconds of one ``dcp.save`` of the training state into a fresh ``directory``
+        (``plain``, ``hashing`` or ``read_back``: see the module's docstring)."""
+        shutil.rmtree(directory, ignore_errors=True)
+        state = {key: stateful.state_dict() for key, stateful in self.trainer.states.items()}
+        writer = integrity.HashingWriter(directory) if mode == "hashing" else FileSystemWriter(directory)
+        dist.barrier()
+        start = time.perf_counter()
+        dcp.save(state, storage_writer=writer)
+        if mode == "read_back":
+            mine = [str(path.relative_to(directory)) for path in directory.rglob("*")
+                    if path.is_file() and path.name.startswith(f"__{dist.get_rank()}_")]
+            for name in mine:
+                integrity.digest(directory / name, "sha256")
+        dist.barrier()
+        return time.perf_counter() - start
+
     def memory_round(self, mode: str) -> dict[str, float]:
         """One save until it is on disk, then a load of it: times and peak bytes, no training in between."""
         dist.barrier()
@@ -172,6 +195,7 @@ def median(values: list[float]) -> float:
 def run(bench: Bench, args: argparse.Namespace) -> dict:
     stalls = {mode: [] for mode in ("baseline", "sync", "async")}
     memory = {mode: [] for mode in ("sync", "async")}
+    checksums = {mode: [] for mode in ("plain", "hashing", "read_back")}
     order = list(stalls)
     for round_index in range(args.rounds):
         shift = round_index % len(order)
@@ -179,6 +203,9 @@ def run(bench: Bench, args: argparse.Namespace) -> dict:
             stalls[mode].append(bench.stall_round(mode, args.steps))
         for mode in (["sync", "async"] if round_index % 2 == 0 else ["async", "sync"]):
             memory[mode].append(bench.memory_round(mode))
+        modes = list(checksums)
+        for mode in modes[round_index % 3:] + modes[:round_index % 3]:
+            checksums[mode].append(bench.checksum_round(mode, args.scratch / "checksums" / bench.name))
     baseline = median([r["total_s"] for r in stalls["baseline"]])
     per_rank = {}
     for mode in ("sync", "async"):
@@ -192,7 +219,11 @@ def run(bench: Bench, args: argparse.Namespace) -> dict:
     trainer = bench.trainer
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, memory_report(trainer.model, trainer.optimizer))  # between updates: no gradients
+    plain = statistics.median(checksums["plain"])
     return {
+        "checksums": {**{f"{mode}_save_s": median(times) for mode, times in checksums.items()},
+                      "hashing_overhead": round(statistics.median(checksums["hashing"]) / plain - 1, 3),
+                      "read_back_overhead": round(statistics.median(checksums["read_back"]) / plain - 1, 3)},
         "layout": trainer.ctx.layout,
         "baseline_steps_s": baseline,
         "training_state_bytes_per_rank": held,
@@ -223,6 +254,7 @@ def main() -> None:
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     scratch = Path(args.dir or Path(tempfile.gettempdir()) / f"distlm-bench-checkpoint-{run_id}")
+    args.scratch = scratch
     rank = int(os.environ["RANK"])
     write_corpus(scratch / f"data-rank{rank}")  # identical on every rank, written by each
     report = {"benchmark": "checkpoint", "world_size": world_size, "rounds": args.rounds,

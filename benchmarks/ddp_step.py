@@ -7,6 +7,8 @@
 The loops train the same model from the same weights on the same pre-collated
 batches, so the difference is what distlm adds per update (global token count,
 unscale/clip/finite check, schedule, bookkeeping), or what --compile and --bf16 change.
+distlm runs AdamW's fused kernel on the CPU, the raw loop the foreach one a user would
+write; a second raw loop with the fused kernel (``raw_fused``) shows what the kernel alone gives.
 This machine is noisy, so the contenders alternate round by round (the order rotates
 every round) and the report gives medians and the median of the per-round ratios
 against distlm's eager fp32 update. Prints one JSON object (rank 0).
@@ -36,15 +38,16 @@ from distlm.errors import exit_without_teardown
 from distlm.trainer import Trainer
 
 
-def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float):
-    """The loop a user would write by hand with torch DDP: same model, optimizer, loss and clipping."""
+def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float, kernel: str = "foreach"):
+    """The loop a user would write by hand with torch DDP: same model, optimizer, loss and clipping;
+    ``kernel``: AdamW's, ``foreach`` or ``fused``."""
     reference = unwrap(trainer.model)
     model = build_model(trainer.config.model.arch, vocab_size=len(trainer.data.dictionary), dropout=0.0, attention_dropout=0.0)
     model.load_state_dict(reference.state_dict())
     model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     cfg = trainer.config.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, foreach=True)
+                                  weight_decay=cfg.weight_decay, **{kernel: True})
     masked_lm = trainer.task == "masked_lm"
 
     def step(micro_batches):
@@ -124,20 +127,22 @@ def main() -> None:
     ]
     trainer = Trainer(parse_args(flags))
     raw_step = raw_ddp_loop(trainer, args.bucket_cap_mb)
+    raw_fused_step = raw_ddp_loop(trainer, args.bucket_cap_mb, "fused")
     loader = trainer.update_batches()
     batches = [next(loader) for _ in range(args.steps)]
 
     # Warm-up: first-iteration allocations and DDP's bucket rebuild, for both.
     timed(trainer.train_step, batches, 2)
     timed(raw_step, batches, 2)
+    timed(raw_fused_step, batches, 2)
 
-    contenders = {"distlm": trainer.train_step, "raw": raw_step}
+    contenders = {"distlm": trainer.train_step, "raw": raw_step, "raw_fused": raw_fused_step}
     if args.mpi:
         contenders["distlm_mpi"] = mpi_transport_step(trainer)
     for name, extra in (("distlm_compile", ["--compile"]), ("distlm_bf16", ["--bf16"])):
         if getattr(args, name.removeprefix("distlm_")):
             contenders[name] = variant_step(Trainer(parse_args(flags + extra)), args.steps)
-    for name in list(contenders)[2:]:
+    for name in list(contenders)[3:]:
         timed(contenders[name], batches, 2)  # warm-up: compilation happens here
     times = {name: [] for name in contenders}
     for round_index in range(args.rounds):
@@ -178,6 +183,9 @@ def main() -> None:
             "raw_ddp_step_s_median": round(statistics.median(raw_times), 5),
             "ratio_of_medians": round(statistics.median(distlm_times) / statistics.median(raw_times), 4),
             "median_of_round_ratios": round(statistics.median(ratios), 4),
+            "raw_fused_adamw_step_s_median": round(statistics.median(times["raw_fused"]), 5),
+            "raw_fused_over_raw_median_of_round_ratios": round(
+                statistics.median(f / r for f, r in zip(times["raw_fused"], raw_times)), 4),
             **transport,
             **variants,
         }, indent=2))

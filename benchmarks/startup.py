@@ -1,6 +1,7 @@
-"""Wall time of the refusals a user meets first: ``python -m distlm.train --help`` and a
-mistyped flag, beside the interpreter's own start (the floor) and ``import torch`` (the cost
-they avoid).
+"""Wall time of the refusals a user meets first: ``python -m distlm.train --help``, a
+mistyped flag, an unknown arch, a value out of its range and a flag of another model family
+(a bad combination), beside the interpreter's own start (the floor) and ``import torch`` (the
+cost they avoid).
 
     python benchmarks/startup.py --rounds 7
     python benchmarks/startup.py --rounds 7 --repo . --repo ../other-checkout   # compare checkouts
@@ -30,6 +31,9 @@ COMMANDS = {
     "import_torch": ["-c", "import torch"],
     "train_help": ["-m", "distlm.train", "--help"],
     "train_mistyped_flag": ["-m", "distlm.train", "--max-updat", "10"],
+    "train_unknown_arch": ["-m", "distlm.train", "--arch", "robrta_base"],
+    "train_out_of_range": ["-m", "distlm.train", "--lr", "-1"],
+    "train_other_family_flag": ["-m", "distlm.train", "--arch", "llama_tiny", "--encoder-layers", "2"],
 }
 
 

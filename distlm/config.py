@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
 
-from distlm.choices import CHOICES
+from distlm.choices import ARCH_FAMILIES, CHOICES
 from distlm.errors import OneLineErrorParser, UsageError, did_you_mean
 
 
@@ -800,6 +800,11 @@ def check_settings(config: TrainConfig) -> None:
     parse_data_sources(config.data.data)  # a mixture's weights are refused before anything loads
     if config.model.arch is None and config.model.init_from_hf is None:
         config.model.arch = DEFAULT_ARCH
+    if config.model.arch is not None:
+        # From the torch-free table, so a mistyped arch or another family's flag is refused at once.
+        if config.model.arch not in ARCH_FAMILIES:
+            raise UsageError(f"--arch {config.model.arch} is unknown; choose one of: {', '.join(ARCH_FAMILIES)}")
+        arch_overrides(config.model, ARCH_FAMILIES[config.model.arch])
     if config.distributed.cpu:
         if config.distributed.device not in ("auto", "cpu"):
             raise UsageError(f"--cpu means --device cpu, not --device {config.distributed.device}; drop one")

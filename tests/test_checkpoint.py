@@ -533,8 +533,8 @@ RESTART_WORKER = textwrap.dedent('''
         os.kill(os.getpid(), signal.SIGKILL)
 
     commit = Checkpointer._commit
-    def commit_then_die(self, names, meta):
-        commit(self, names, meta)
+    def commit_then_die(self, names, meta, *hashed):
+        commit(self, names, meta, *hashed)
         if attempt == 0 and rank == 1 and "checkpoint_2" in names:
             die(json.dumps(sorted(os.listdir(self.save_dir))))
     Checkpointer._commit = commit_then_die

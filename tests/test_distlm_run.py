@@ -94,14 +94,24 @@ def test_a_worker_without_a_line_is_named_with_its_status(tmp_path):
 
 
 def test_a_mistyped_flag_names_the_nearest_one_without_importing_torch():
+    """Refusals of a flag, an arch name, a value's range and a flag of another model family all
+    come before torch, the models or the data are imported."""
     code = ("import sys\nfrom distlm.train import main\nstatus = main(sys.argv[1:])\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')\n"
             "               or m.startswith(('distlm.models', 'distlm.data', 'distlm.trainer')))\n"
             "print(status, heavy)")
-    for argv, status in ((["--max-updat", "3"], "2"), (["--lr=fast"], "2")):
+    refusals = (
+        (["--max-updat", "3"], "unrecognized arguments: --max-updat (did you mean --max-update?)"),
+        (["--arch", "robrta_base"], "--arch robrta_base is unknown; choose one of: roberta_tiny"),
+        (["--lr", "-1"], "--lr must be in (0"),
+        (["--arch", "llama_tiny", "--encoder-layers", "2"], "--encoder-layers sizes a roberta model, but --arch "
+                                                             "llama_tiny is a llama model"),
+        (["--lr=fast"], "--lr: cannot parse 'fast' as a number"),
+    )
+    for argv, line in refusals:
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=TIMEOUT)
-        assert proc.stdout.split() == [status, "[]"], proc.stdout + proc.stderr
-    assert proc.stderr.strip() == "distlm: error: --lr: cannot parse 'fast' as a number"
+        assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr
+        assert proc.stderr.strip().startswith(f"distlm: error: {line}"), proc.stderr
 
 
 def test_unknown_settings_suggest_the_nearest_known_one(tmp_path):

@@ -172,6 +172,41 @@ def test_build_optimizer_picks_by_weight_dtype_and_passes_hyperparameters(dtype,
     assert group["eps"] == 1e-7 and group["weight_decay"] == 0.05
 
 
+def test_fused_adamw_on_the_cpu_equals_foreach_to_rounding(caplog):
+    """build_optimizer picks torch's fused kernel for float32 CPU weights. Both kernels compute
+    the same float32 update and differ only in the order and fusing of its operations, so each
+    step may round each weight differently by a few ulps (4 allowed: eps 2^-23 relative, and
+    of an update at most lr x (1 + weight decay) for a weight near 0); K steps add at most K
+    such differences."""
+    steps, shapes = 10, [(64, 33), (33,), (3, 2, 4), (1000,)]
+    grads = make_grads(shapes, steps, seed=1)
+    start = [torch.randn(shape, generator=torch.Generator().manual_seed(2)) for shape in shapes]
+    lrs = [HYPER["lr"] * (k + 1) / steps for k in range(steps)]  # warming up, as a run does
+    settings = AdamWSettings(lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+                             weight_decay=HYPER["weight_decay"])
+    fused = [torch.nn.Parameter(t.clone()) for t in start]
+    with caplog.at_level("INFO", logger="distlm"):
+        optimizer = build_optimizer(fused, settings, torch.float32)
+    assert optimizer.defaults["fused"] and "AdamW, torch's fused kernel" in caplog.text
+    foreach = [torch.nn.Parameter(t.clone()) for t in start]
+    run(optimizer, fused, grads, lrs)
+    run(torch.optim.AdamW(foreach, foreach=True, **HYPER), foreach, grads, lrs)
+    ulps = steps * 4 * torch.finfo(torch.float32).eps
+    for a, b in zip(fused, foreach):
+        torch.testing.assert_close(a, b, rtol=ulps, atol=ulps * HYPER["lr"] * (1 + HYPER["weight_decay"]))
+    assert any(not torch.equal(a, b) for a, b in zip(fused, foreach))  # two kernels did run
+
+
+def test_weights_the_fused_kernel_does_not_take_get_foreach_and_the_log_says_so(caplog):
+    weights = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+    with caplog.at_level("INFO", logger="distlm"):
+        optimizer = build_optimizer(weights, AdamWSettings(lr=1e-3, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0),
+                                    torch.bfloat16)
+    assert optimizer.defaults["foreach"] and not optimizer.defaults["fused"]
+    assert ("AdamW, torch's foreach kernel (the fused one runs for float32 parameters on the CPU only; these are "
+            "bfloat16 on cpu)") in caplog.text
+
+
 # ---------------------------------------------------------------------- LRSchedule
 
 

@@ -34,6 +34,7 @@ from distlm.models.flops import (
     parameter_groups,
 )
 from distlm.plan.model import (
+    SPLIT_BACKWARD_COST,
     Cluster,
     Group,
     Layout,
@@ -58,6 +59,7 @@ from distlm.plan.model import (
     ring_allreduce_time,
     tree_allreduce_time,
 )
+from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
 from distlm.train import main as train_main
 
 SEQ_LEN, BATCH = 32, 2
@@ -555,8 +557,39 @@ def test_interleaving_divides_the_bubble_and_holds_more_in_flight():
     assert looped.step_time_s == pytest.approx(plain.step_time_s - plain.pp_bubble_s / 2)
     # The first rank holds P = 4 micro-batches under 1F1B, P + (P-1)/V = 5.5 interleaved.
     assert looped.activation_bytes_per_rank == pytest.approx(plain.activation_bytes_per_rank * 5.5 / 4)
-    zero_bubble = pipelined("zero-bubble", stages_per_rank=2)
-    assert zero_bubble.pp_bubble_s == pytest.approx(plain.pp_bubble_s / 6)  # (P-1)/(3V) slots
+
+
+def test_a_zbv_pass_played_out_by_hand():
+    """ZBV at P = 2, M = 2, each action 1 s, free transfers (stages 0 and 3 on rank 0, 1 and 2
+    on rank 1). Rank 0 runs F0.0 0-1, F0.1 1-2; rank 1 F1.0 1-2, F2.0 2-3, F1.1 3-4, F2.1 4-5;
+    rank 0 F3.0 3-4, I3.0 4-5 (the loss is its own), W3.0 5-6, F3.1 6-7, I3.1 7-8, W3.1 8-9;
+    rank 1 I2.0 5-6, W2.0 6-7, I1.0 7-8, W1.0 8-9, I2.1 9-10 (after I3.1 at 8), W2.1 10-11,
+    I1.1 11-12, W1.1 12-13; rank 0 I0.0 9-10 (free at 9), W0.0 10-11, I0.1 12-13 (after I1.1),
+    W0.1 13-14: 14 s for 12 s of work on each rank."""
+    orders = zero_bubble_orders("zbv", pp=2, microbatches=2, stages_per_rank=2)
+    assert orders[0] == [("F", 0, 0), ("F", 0, 1), ("F", 3, 0), ("I", 3, 0), ("W", 3, 0), ("F", 3, 1),
+                         ("I", 3, 1), ("W", 3, 1), ("I", 0, 0), ("W", 0, 0), ("I", 0, 1), ("W", 0, 1)]
+    assert pass_seconds(orders, "zbv", ActionTimes(1, 1, 1, 0)) == 14
+    # A transfer of 0.5 s delays each hop between the ranks: rank 1's F1.0 starts at 1.5, ...
+    assert pass_seconds(orders, "zbv", ActionTimes(1, 1, 1, 0.5)) > 14
+
+
+def test_zero_bubble_schedules_charge_the_split_backward_as_played_out():
+    """Same stages as 1F1B (8 blocks per rank, as 2 chunks of 4), so the same compute per
+    micro-batch c; under zero-bubble each chunk's forward takes c/6 and its input and weight
+    gradients c/6 each times SPLIT_BACKWARD_COST, and the pass is torch's order played out."""
+    plain = pipelined("1f1b")
+    m, passes = plain.pp_microbatches, plain.step_time_s - plain.optimizer_s
+    p2p = plain.pp_p2p_s / (2 * m)
+    compute = (passes - plain.pp_bubble_s) / m - 2 * p2p
+    for schedule in ("zero-bubble", "zbv"):
+        row = pipelined(schedule, stages_per_rank=2)
+        half = compute / 6 * SPLIT_BACKWARD_COST
+        one_pass = pass_seconds(zero_bubble_orders(schedule, 4, m, 2), schedule,
+                                ActionTimes(compute / 6, half, half, p2p))
+        assert row.step_time_s - row.optimizer_s == pytest.approx(one_pass)
+        assert row.pp_bubble_s == pytest.approx(one_pass - m * 2 * (compute / 6 + 2 * half))
+        assert row.step_time_s > plain.step_time_s - plain.pp_bubble_s  # the split costs more than it saves
 
 
 def test_memory_per_rank_counts_only_the_rank_stage():

@@ -109,7 +109,7 @@ class Checkpointer:
         self.ctx = ctx
         self.arch, self.task = arch, task
         self.save_dir = Path(settings.save_dir)
-        self._pending: tuple[Future, list[str], dict[str, Any]] | None = None
+        self._pending: tuple[Future, list[str], dict[str, Any], integrity.HashingWriter] | None = None
         self._async_group = None
         self._saved_at: int | None = None
         """The update the newest checkpoint (saved or resumed from) holds: saving it again would repeat it."""
@@ -514,39 +514,40 @@ class Checkpointer:
                 meta[key] = value
         started = time.perf_counter()
         try:
+            writer = integrity.HashingWriter(staged)  # checksums while writing: no read-back at the commit
             if self.settings.async_save:
                 with _single_process_quiet():
                     future = dcp.async_save(state, checkpoint_id=str(staged), process_group=self._async_group,
-                                            no_dist=not self.ctx.is_distributed)
-                self._pending = (future, names, meta)
+                                            no_dist=not self.ctx.is_distributed, storage_writer=writer)
+                self._pending = (future, names, meta, writer)
                 logger.info("checkpoint %s: staged in %.2f s, writing in the background", first,
                             time.perf_counter() - started)
                 return
             with _single_process_quiet():
-                dcp.save(state, checkpoint_id=str(staged), no_dist=not self.ctx.is_distributed)
+                dcp.save(state, checkpoint_id=str(staged), no_dist=not self.ctx.is_distributed, storage_writer=writer)
         except (dcp.CheckpointException, OSError) as err:
             self._abandon(names, err)
-        self._commit(names, meta)
+        self._commit(names, meta, writer.hashed())
         logger.info("saved %s in %.2f s", ", ".join(names), time.perf_counter() - started)
 
     def wait(self) -> None:
         """Complete an asynchronous save still being written (collective)."""
         if self._pending is None:
             return
-        future, names, meta = self._pending
+        future, names, meta, writer = self._pending
         self._pending = None
         with self.ctx.naming_failed_collectives(meta["progress"]["num_updates"]):
             try:
                 future.result()
             except (dcp.CheckpointException, OSError) as err:
                 self._abandon(names, err)
-            self._commit(names, meta)
+            self._commit(names, meta, writer.hashed())
         logger.info("saved %s (written in the background)", ", ".join(names))
 
-    def _commit(self, names: list[str], meta: dict[str, Any]) -> None:
+    def _commit(self, names: list[str], meta: dict[str, Any], hashed: dict[str, dict[str, Any]]) -> None:
         staged = directory.incomplete(self.save_dir, names[0])
         try:
-            written = integrity.digests(staged, integrity.written_by(staged, self.ctx.rank))
+            written = integrity.digests(staged, integrity.written_by(staged, self.ctx.rank), hashed)
         except OSError as err:
             written = _reason(err)
         # Also the barrier after which every rank's shards are written.

