@@ -327,8 +327,8 @@ DIE_AFTER_SAVE = textwrap.dedent(f'''
     from distlm.train import run
 
     commit = Checkpointer._commit
-    def commit_then_die(self, names, meta):
-        commit(self, names, meta)
+    def commit_then_die(self, names, meta, *hashed):
+        commit(self, names, meta, *hashed)
         if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" and "checkpoint_{SAVE_EVERY}" in names:
             os.kill(os.getpid(), signal.SIGKILL)
     Checkpointer._commit = commit_then_die
