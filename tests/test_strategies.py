@@ -203,11 +203,15 @@ def test_resume_on_another_layout_seeds_dropout_by_replica(jobs):
 def test_a_checkpoint_only_some_ranks_see_is_refused_on_every_rank(jobs):
     """A node-local --save-dir: rank 0 finds checkpoint_last, rank 1 (another node's disk,
     here another directory) does not. Resuming on some ranks only would desynchronise their
-    collectives (a hang), so both refuse with the same one-line error."""
+    collectives (a hang), so both refuse with one line: the save dir's probe, before anything
+    is read, finds that the ranks do not share one file system."""
     root = jobs["root"]
     errors = jobs[2]["unseen-checkpoint"]
-    for rank, error in enumerate(errors):
-        assert error.startswith(f"--save-dir {root}/node{rank}: checkpoint_last is there on ranks [0] only;"), error
+    assert len(errors) == 2 and errors[0] == errors[1], errors  # one verdict, rank 0's save dir named
+    error = errors[0]
+    assert error.startswith(f"--save-dir {root}/node0 (other ranks were given {root}/node1): "), error
+    assert "rank 1 (host " in error and "cannot read the file rank 0 wrote" in error, error
+    assert "must be one file system" in error and "\n" not in error, error
 
 
 def _trainer_error_with_save_dir_per_rank(args: list[str], root: str) -> str:
