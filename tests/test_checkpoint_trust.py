@@ -307,6 +307,8 @@ def test_a_flipped_byte_is_refused_at_resume_and_export_naming_an_older_checkpoi
     assert len(said) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in said), said
 
 
+# One process without a process group is the intent here, as in the checkpointer's own saves.
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 def test_checksums_computed_while_writing_equal_the_files_read_back(tmp_path, monkeypatch):
     """DCP's shards and metadata are hashed as they are written (the metadata under its
     temporary name, then renamed); each entry equals CRC-32 and size of the file read back,
