@@ -14,6 +14,18 @@ from distlm.models.llama import LlamaCausalLM, LlamaConfig
 from distlm.models.moe import MoECausalLM, MoEConfig
 from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
 
+_LLAMA3_8B = LlamaConfig(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    multiple_of=1024,
+    ffn_dim_multiplier=1.3,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+    vocab_size=128256,
+)
+
 # arch name -> config; its family (hence model class) is in choices.ARCH_FAMILIES. A published
 # arch carries its published vocabulary size, so it builds with no data; the tiny ones leave
 # vocab_size at 0: it comes from the data at build time. Every build may override both
@@ -31,33 +43,16 @@ _CONFIGS: dict[str, RobertaConfig | LlamaConfig | MoEConfig] = {
     # 11008 for Llama 2 7B and 14336 for Llama 3 8B, Hugging Face's intermediate_size.
     "llama2_7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=4096,
                              vocab_size=32000),
-    "llama3_8b": LlamaConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        multiple_of=1024,
-        ffn_dim_multiplier=1.3,
-        rope_theta=500000.0,
-        max_seq_len=8192,
-        vocab_size=128256,
-    ),
+    "llama3_8b": _LLAMA3_8B,
     # Llama 3 8B's weights layout with the 128K context of Llama 3.1 (llama3 rope scaling).
-    "llama3_1_8b": LlamaConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        multiple_of=1024,
-        ffn_dim_multiplier=1.3,
-        rope_theta=500000.0,
+    "llama3_1_8b": dataclasses.replace(
+        _LLAMA3_8B,
         rope_type="llama3",
         rope_factor=8.0,
         rope_low_freq_factor=1.0,
         rope_high_freq_factor=4.0,
         rope_original_max_seq_len=8192,
         max_seq_len=131072,
-        vocab_size=128256,
     ),
     # Mixture of experts: Qwen3-MoE's layout (query/key norms), 8 experts of which each token
     # uses 2, every layer; small enough for a CPU core.
