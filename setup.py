@@ -29,7 +29,7 @@ setup(
     entry_points={"console_scripts": [
         "distlm-train=distlm.train:run",
         "distlm-run=distlm.run:main",
-        "distlm-export=distlm.export:main",
+        "distlm-export=distlm.export.cli:main",
         "distlm-prepare=distlm.prepare:main",
         "distlm-doctor=distlm.doctor.cli:run",
         "distlm-plan=distlm.plan.__main__:main",

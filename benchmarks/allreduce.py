@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from distlm.backends.cpu import CpuBackend
-from distlm.env import ClusterEnv, resolve_master_via_mpi
+from distlm.launch.detect import detect_launch
+from distlm.launch.mpi import resolve_master_via_mpi
 from distlm.parallel import comm_hooks
 from distlm.errors import exit_without_teardown
 
@@ -163,7 +164,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
-    env = ClusterEnv.detect()
+    env = detect_launch()
     if env.world_size < 2:
         sys.exit("run under torchrun --nproc_per_node 2 or mpiexec -n 2: an all-reduce needs at least 2 ranks")
     if env.launcher == "mpi":

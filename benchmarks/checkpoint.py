@@ -51,10 +51,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from distlm.checkpoint import LAST, Checkpointer, integrity
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
-from distlm.memory import memory_report
+from distlm.training.memory import memory_report
 from distlm.mesh import ParallelDims
 from distlm.errors import exit_without_teardown
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 STRATEGIES = {
     "ddp": ["--strategy", "ddp"],

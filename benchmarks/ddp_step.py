@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from distlm.config import parse_args
-from distlm.distributed import parallel_options
+from distlm.training.startup import parallel_options
 from distlm.models import build_model
 from distlm.optim import AdamWSettings
 from distlm.parallel.api import parallelize
-from distlm.parallel.names import unwrap
+from distlm.state.names import unwrap
 from distlm.errors import exit_without_teardown
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 
 def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float, kernel: str = "foreach"):

@@ -35,8 +35,8 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 if (CHECKOUT / "distlm").is_dir():
     sys.path.insert(0, str(CHECKOUT))
 
-from distlm.models.llama import (  # noqa: E402
-    LlamaAttention,
+from distlm.models.llama import (
+    # noqa: E402     LlamaAttention,
     LlamaConfig,
     document_cu_seqlens,
     document_positions_and_mask,

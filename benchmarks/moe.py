@@ -50,7 +50,7 @@ def worker(args: argparse.Namespace) -> None:
     from distlm.config import parse_args
     from distlm.errors import exit_without_teardown
     from distlm.models.moe import moe_layers
-    from distlm.trainer import Trainer
+    from distlm.training.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     base = ["--tokens-per-sample", str(args.tokens_per_sample), "--sample-break-mode", "none", "--dropout", "0",

@@ -37,12 +37,18 @@ import torch.distributed as dist
 from distlm.backends.hardware import host_cores
 from distlm.config import parse_args
 from distlm.data.batches import to_device
-from distlm.errors import OneLineErrorParser, UsageError, exit_without_teardown, rank_from_environment, report_usage_error
-from distlm.loss import summed_cross_entropy
+from distlm.errors import (
+    OneLineErrorParser,
+    UsageError,
+    exit_without_teardown,
+    rank_from_environment,
+    report_usage_error,
+)
+from distlm.models.loss import summed_cross_entropy
 from distlm.models.flops import model_shape
 from distlm.plan.calibrate import Calibration, optimizer_bandwidth, update_flops
 from distlm.plan.model import Layout, Workload, load_cluster, project
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 SCHEDULES = {
     "gpipe": ["--pp-schedule", "gpipe"],

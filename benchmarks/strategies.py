@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from distlm.config import parse_args
 from distlm.mesh import ParallelDims
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from distlm.errors import exit_without_teardown
 
 

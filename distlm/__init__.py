@@ -4,10 +4,10 @@ __all__ = ["Trainer", "TrainConfig"]
 
 
 def __getattr__(name: str):
-    # Lazy, so that `import distlm.data` or `distlm.env` does not pull in the trainer
+    # Lazy, so that `import distlm.data` or `distlm.launch` does not pull in the trainer
     # (and with it every strategy) in data-loader workers and launcher-only tools.
     if name == "Trainer":
-        from distlm.trainer import Trainer
+        from distlm.training.trainer import Trainer
 
         return Trainer
     if name == "TrainConfig":

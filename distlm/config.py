@@ -740,7 +740,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     if args.criterion is not None:
         _apply_criterion(config, args.criterion)
     check_settings(config)
-    config.from_command_line = True  # not a field: errors name the flags only (distlm/python_api.py)
+    config.from_command_line = True  # not a field: errors name the flags only (distlm/training/python_api.py)
     return config
 
 
@@ -791,7 +791,7 @@ def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
 def check_settings(config: TrainConfig) -> None:
     """Checks of each setting on its own (no launch, no hardware); each failure names its flag.
 
-    ``distlm.validation.validate`` runs these and the checks that need the launch."""
+    ``distlm.training.validation.validate`` runs these and the checks that need the launch."""
     for section, cls in SECTIONS.items():
         settings = getattr(config, section)
         for name in get_type_hints(cls):

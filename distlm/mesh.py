@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distlm.choices import STRATEGIES
-from distlm.env import ranks_by_node
+from distlm.launch.hosts import ranks_by_node
 from distlm.errors import UsageError
 
 

@@ -30,7 +30,7 @@ import tempfile
 from typing import Any, Sequence
 
 from distlm.errors import LAST_LINE_DIR
-from distlm.signals import exit_status
+from distlm.runtime.signals import exit_status
 
 # torchrun's log records of workers ending, which the launcher's own line replaces (a
 # record torch words differently in another version is printed as before, nothing worse).

@@ -15,8 +15,8 @@ from typing import Sequence
 
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError, exit_without_teardown, print_last_line, rank_from_environment, report_usage_error
-from distlm.python_api import LOG_FORMAT
-from distlm.signals import StoppedBeforeTraining, die_with_torchrun_agent, exit_status
+from distlm.observe.log_lines import LOG_FORMAT
+from distlm.runtime.signals import StoppedBeforeTraining, die_with_torchrun_agent, exit_status
 
 ERROR_PREFIX = "distlm: error: "
 
@@ -42,10 +42,10 @@ def train(config: TrainConfig, rank: int) -> int:
     """Train with a parsed ``config``; the exit status."""
     try:
         from distlm.backends.base import DistributedInitError
-        from distlm.distributed import CollectiveFailure, shutdown
-        from distlm.divergence import DivergenceError
+        from distlm.runtime.context import CollectiveFailure, shutdown
+        from distlm.training.divergence import DivergenceError
         from distlm.parallel.replicas import ReplicaDrift
-        from distlm.trainer import Trainer
+        from distlm.training.trainer import Trainer
     except KeyboardInterrupt:  # the imports take seconds
         return interrupted_before_training(rank)
 

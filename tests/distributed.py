@@ -40,7 +40,7 @@ from distlm.errors import exit_without_teardown
 
 
 # Imported once by the fork server, for every worker forked from it.
-PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "distlm.trainer"]
+PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "distlm.training.trainer"]
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict,

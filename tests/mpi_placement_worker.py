@@ -12,7 +12,7 @@ code in place of its shared-memory split. Every rank writes ``OUT_DIR/rank{R}.js
 * ``real``: ``mpi_node_layout(COMM_WORLD)`` with MPI's own split of this machine, and
   the local rank and size OpenMPI exported, to compare;
 * ``simulated``: the layout for each named placement;
-* ``env``: ``resolve_master_via_mpi(ClusterEnv.detect())`` on the first placement, then
+* ``env``: ``resolve_master_via_mpi(detect_launch())`` on the first placement, then
   torch's view of it: a gloo process group started from that ClusterEnv, the hierarchical
   all-reduce training builds from the membership it found (``DistContext.node_of_rank``,
   the builder's options, ``comm_hooks.build_reducer``), its intra- and inter-node groups,
@@ -44,9 +44,9 @@ def torch_view(env) -> dict:
     import torch.distributed as dist
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.distributed import parallel_options
+    from distlm.training.startup import parallel_options
     from distlm.config import parse_args
-    from distlm.distributed import DistContext
+    from distlm.runtime.context import DistContext
     from distlm.mesh import ParallelDims
     from distlm.parallel import comm_hooks
 
@@ -85,7 +85,8 @@ def torch_view(env) -> dict:
 def main() -> int:
     from mpi4py import MPI
 
-    from distlm.env import ClusterEnv, mpi_node_layout, resolve_master_via_mpi
+    from distlm.launch.detect import detect_launch
+    from distlm.launch.mpi import mpi_node_layout, resolve_master_via_mpi
 
     out_dir, placements = Path(sys.argv[1]), [p.split(",") for p in sys.argv[2:]]
     comm = MPI.COMM_WORLD
@@ -98,7 +99,7 @@ def main() -> int:
             "real": mpi_node_layout(comm)._asdict(),
             "simulated": [mpi_node_layout(comm, split_by_host(comm, hosts))._asdict() for hosts in placements],
         }
-        env = resolve_master_via_mpi(ClusterEnv.detect(), node_comm=split_by_host(comm, placements[0]))
+        env = resolve_master_via_mpi(detect_launch(), node_comm=split_by_host(comm, placements[0]))
         result["env"] = dataclasses.asdict(env)
         # Each rank's simulated host, as torch's process group sees the ranks.
         result["torch"] = torch_view(env)

@@ -138,9 +138,10 @@ def _init_gloo() -> None:
     import datetime
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.env import ClusterEnv, resolve_master_via_mpi
+    from distlm.launch.detect import detect_launch
+    from distlm.launch.mpi import resolve_master_via_mpi
 
-    env = resolve_master_via_mpi(ClusterEnv.detect())
+    env = resolve_master_via_mpi(detect_launch())
     CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from distlm.agreement import describe_ranks, find_disagreement, fingerprint_data, shared_settings
+from distlm.errors import describe_ranks
+from distlm.runtime.agreement import find_disagreement, fingerprint_data, shared_settings
 from distlm.config import parse_args
 from distlm.train import main
 

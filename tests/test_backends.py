@@ -28,7 +28,9 @@ from distlm.backends.efa import EFA_PRESET, EFA_RDMA_PRESET, apply_env_preset, c
 from distlm.backends.hardware import host_cores, measure_cpu_matmul_flops
 from distlm.backends.neuron import NeuronBackend
 from distlm.backends.xla import XlaBackend
-from distlm.env import ClusterEnv, find_free_port, single_process_env
+from distlm.launch.cluster_env import ClusterEnv, single_process_env
+from distlm.launch.detect import detect_launch
+from distlm.launch.hosts import find_free_port
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 
@@ -81,7 +83,7 @@ def test_auto_picks_the_neuron_stack_that_is_installed(tmp_path, monkeypatch):
 
 def test_only_cuda_py_names_nccl():
     # A backend is chosen from the device; nothing else may hard-code NCCL.
-    sources = [*(REPO_ROOT / "distlm" / "backends").glob("*.py"), REPO_ROOT / "distlm" / "env.py"]
+    sources = [*(REPO_ROOT / "distlm" / "backends").glob("*.py"), *(REPO_ROOT / "distlm" / "launch").glob("*.py")]
     offenders = [p.name for p in sources if p.name != "cuda.py" and '"nccl"' in p.read_text()]
     assert offenders == []
 
@@ -268,7 +270,7 @@ def neuron_rank_report(sysfs_root: str) -> dict:
     logging.getLogger("distlm").addHandler(handler)
     logging.getLogger("distlm").setLevel(logging.INFO)
 
-    env = ClusterEnv.detect()
+    env = detect_launch()
     backend = get_backend("neuron")
     backend.sysfs_root = sysfs_root
     backend.setup(env, "bf16", "auto")
@@ -400,9 +402,9 @@ WORKER = textwrap.dedent(
     import datetime
     import torch, torch.distributed as dist
     from distlm.backends import get_backend
-    from distlm.env import ClusterEnv
+    from distlm.launch.detect import detect_launch
 
-    env = ClusterEnv.detect()
+    env = detect_launch()
     get_backend("cpu").init_process_group(env, datetime.timedelta(seconds=30))
     value = torch.tensor([float(env.rank + 1)])
     dist.all_reduce(value)

@@ -16,10 +16,10 @@ import torch
 
 from distlm import checkpoint, errors
 from distlm.data.indexed_dataset import MMapIndexedDataset, write_indexed_dataset
-from distlm.export import main as export_main
+from distlm.export.cli import main as export_main
 from distlm.models.hf.io import check_config_values
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 LLAMA_CONFIG = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,

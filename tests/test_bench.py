@@ -304,7 +304,7 @@ def test_expected_slowest_of_several_draws():
 
 def _communication_off_worker(data: str) -> dict:
     from distlm.bench.measure import LaunchSpec, communication_off
-    from distlm.trainer import Trainer
+    from distlm.training.trainer import Trainer
 
     spec = LaunchSpec(arch="roberta_tiny", strategies=[], batch_size=BATCH, update_freq=1, tokens_per_sample=TOKENS,
                       precision="fp32", comm_hook="allreduce", tp_degree=1, bucket_cap_mb=25.0, device="cpu",

@@ -30,17 +30,18 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from distlm import checkpoint, export
+from distlm import checkpoint
+from distlm.export import cli as export
 from distlm.checkpoint import Checkpointer, CheckpointReader
 from distlm.checkpoint.directory import commit, incomplete, recover
 from distlm.checkpoint.lock import GUARD_FILE
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.errors import UsageError
-from distlm.parallel.full_state import consolidated_parameters
-from distlm.run_record import RUN_JSON
+from distlm.state.full import consolidated_parameters
+from distlm.observe.run_record import RUN_JSON
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 HALF = 3  # updates before the stop; the straight run does 2 * HALF
 BATCH = 4  # per replica; every layout here trains on a global batch of 8
@@ -141,7 +142,7 @@ def loaded_state(args: list[str]) -> dict:
     """
     from torch.distributed.tensor import DTensor
 
-    from distlm.checkpoint.state import optimizer_state
+    from distlm.checkpoint.stateful import optimizer_state
 
     trainer = Trainer(parse_args(args))
     moments = {}
@@ -464,7 +465,7 @@ class PeakResidentBytes:
 
 
 def _memory_job(data: str, save_dir: str) -> dict:
-    from distlm.memory import memory_report
+    from distlm.training.memory import memory_report
 
     args = train_args(data, save_dir, 1, ["--strategy", "fsdp", *WIDE_LLAMA], batch=1, interval=0)
     trainer = Trainer(parse_args(args))
@@ -682,8 +683,8 @@ def test_a_checkpoint_of_the_single_file_format_resumes_exactly(data_dir, tmp_pa
     writes the sharded format."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from distlm.checkpoint.state import capture_rng
-    from distlm.parallel.full_state import full_state_dict
+    from distlm.checkpoint.stateful import capture_rng
+    from distlm.state.full import full_state_dict
 
     single = ["--batch-size", str(2 * BATCH)]
     fit(train_args(data_dir, tmp_path / "straight", 2 * HALF) + single)
@@ -849,7 +850,7 @@ def test_an_epoch_that_ends_on_a_skipped_update_still_gets_its_checkpoint(tmp_pa
 
 def test_the_accelerators_rng_is_captured_and_restored_whatever_its_device_type(monkeypatch):
     """Through torch.accelerator: a Neuron device's generator is kept as CUDA's is."""
-    from distlm.checkpoint.state import capture_rng, restore_rng
+    from distlm.checkpoint.stateful import capture_rng, restore_rng
 
     class NeuronModule:
         state = torch.tensor([1, 2, 3], dtype=torch.uint8)

@@ -33,7 +33,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from distlm import checkpoint, export
+from distlm import checkpoint
+from distlm.export import cli as export
 from distlm.checkpoint import CheckpointReader, directory, integrity, storage
 from distlm.checkpoint.lock import LOCK_FILE, SaveDirLock
 from distlm.config import parse_args
@@ -41,7 +42,7 @@ from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.data.tokenizer import byte_dictionary
 from distlm.errors import UsageError
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_checkpoint import assert_same_checkpoint, fit
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_33fbac2"

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from distributed import run_distributed
-from distlm.compile import CompileReport
+from distlm.training.precompile import CompileReport
 from test_ddp import assert_params_close, common_args, train
 
 # Inductor fuses each block's elementwise work into C++ loops and may reassociate sums,

@@ -13,8 +13,8 @@ import torch
 
 from distributed import Scenarios
 from distlm.config import parse_args
-from distlm.parallel.full_state import consolidated_parameters
-from distlm.trainer import Trainer
+from distlm.state.full import consolidated_parameters
+from distlm.training.trainer import Trainer
 
 UPDATES = 5
 

@@ -93,8 +93,8 @@ def test_hook_trains_like_one_process(hook, reference, jobs):
 def train_double_buffered(args: list[str]) -> dict:
     """Five steps with --double-buffering: the first applies nothing, the rest one-step-stale gradients."""
     from distlm.config import parse_args
-    from distlm.parallel.names import unwrap
-    from distlm.trainer import Trainer
+    from distlm.state.names import unwrap
+    from distlm.training.trainer import Trainer
 
     trainer = Trainer(parse_args(args))
     batches = trainer.update_batches()

@@ -98,7 +98,7 @@ def test_a_mistyped_flag_names_the_nearest_one_without_importing_torch():
     come before torch, the models or the data are imported."""
     code = ("import sys\nfrom distlm.train import main\nstatus = main(sys.argv[1:])\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')\n"
-            "               or m.startswith(('distlm.models', 'distlm.data', 'distlm.trainer')))\n"
+            "               or m.startswith(('distlm.models', 'distlm.data', 'distlm.training.trainer')))\n"
             "print(status, heavy)")
     refusals = (
         (["--max-updat", "3"], "unrecognized arguments: --max-updat (did you mean --max-update?)"),

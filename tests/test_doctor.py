@@ -34,7 +34,8 @@ from distlm.doctor.devices import judge_devices
 from distlm.doctor.efa import efa_variables, find_nccl_net_plugin, judge_efa, run_fi_info
 from distlm.doctor.launcher import judge_launch, probe_launch
 from distlm.doctor.report import format_ranks
-from distlm.env import ClusterEnv, find_free_port
+from distlm.launch.cluster_env import ClusterEnv
+from distlm.launch.hosts import find_free_port
 from distlm.plan import load_cluster
 
 SUBPROCESS_TIMEOUT = 120

@@ -17,13 +17,13 @@ from distlm.config import parse_args
 from distlm.data import load_lm_data, write_indexed_dataset
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
-from distlm.loss import ModelInputs, summed_cross_entropy
+from distlm.models.loss import ModelInputs, summed_cross_entropy
 from distlm.mesh import ParallelDims
 from distlm.models import arch_config, llama
 from distlm.models.llama import LlamaCausalLM, document_cu_seqlens, document_positions_and_mask
 from distlm.models.registry import build_model
-from distlm.trainer import Trainer
-from distlm.validation import check_model_fits
+from distlm.training.trainer import Trainer
+from distlm.training.validation import check_model_fits
 
 VOCAB = 40  # dict.txt words; ids 0-3 are fairseq's specials
 # Documents of several lengths; a block of tokens_per_sample + 1 = 24 tokens holds the first

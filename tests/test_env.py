@@ -11,22 +11,14 @@ import types
 
 import pytest
 
-from distlm import env as env_module
-from distlm.env import (
-    ClusterEnv,
-    ExplicitLaunch,
-    device_index,
-    expand_slurm_nodelist,
-    expand_slurm_tasks_per_node,
-    Host,
-    node_layout,
-    parse_init_method,
-    place_by_hosts,
-    ranks_by_node,
-    resolve_master_via_mpi,
-    slurm_master_port,
-    this_host,
-)
+from distlm.launch import mpi as env_module
+from distlm.launch.cluster_env import ClusterEnv, ExplicitLaunch
+from distlm.launch.detect import detect_launch
+from distlm.launch.devices import device_index
+from distlm.launch.slurm import expand_slurm_nodelist, expand_slurm_tasks_per_node, slurm_master_port
+from distlm.launch.hosts import Host, node_layout, place_by_hosts, ranks_by_node, this_host
+from distlm.launch.explicit import parse_init_method
+from distlm.launch.mpi import resolve_master_via_mpi
 from distlm.errors import UsageError
 
 
@@ -88,7 +80,7 @@ def ompi_env(rank: int = 5, **extra: str) -> dict[str, str]:
 
 
 def test_torchrun_detected_with_all_fields():
-    env = ClusterEnv.detect(torchrun_env(rank=6))
+    env = detect_launch(torchrun_env(rank=6))
     assert env == ClusterEnv(
         rank=6, world_size=8, local_rank=2, local_world_size=4, node_rank=1, num_nodes=2,
         master_addr="10.0.0.1", master_port=29500, launcher="torchelastic",
@@ -99,21 +91,21 @@ def test_torchrun_detected_with_all_fields():
 def test_torchrun_without_run_id_needs_the_full_set():
     base = torchrun_env(rank=1)
     del base["TORCHELASTIC_RUN_ID"]
-    assert ClusterEnv.detect(base).launcher == "torchelastic"
+    assert detect_launch(base).launcher == "torchelastic"
     # Without LOCAL_RANK it is not torchrun's set, and not one process per host either
     # (LOCAL_WORLD_SIZE=4 says four share a host): named, not a silent single process.
     partial = {k: v for k, v in base.items() if k != "LOCAL_RANK"}
     with pytest.raises(UsageError, match="LOCAL_WORLD_SIZE=4 is set but LOCAL_RANK is not"):
-        ClusterEnv.detect(partial)
+        detect_launch(partial)
     no_master = {k: v for k, v in base.items() if k != "MASTER_ADDR"}
     with pytest.raises(UsageError, match="RANK, WORLD_SIZE and LOCAL_RANK are set but MASTER_ADDR is not"):
-        ClusterEnv.detect(no_master)
+        detect_launch(no_master)
 
 
 def test_torchrun_node_rank_falls_back_to_rank_over_local_size():
     base = torchrun_env(rank=5)
     del base["GROUP_RANK"], base["GROUP_WORLD_SIZE"]
-    env = ClusterEnv.detect(base)
+    env = detect_launch(base)
     assert (env.node_rank, env.num_nodes) == (5 // 4, 8 // 4)
 
 
@@ -121,14 +113,14 @@ def test_torchrun_missing_master_port_is_a_usage_error():
     base = torchrun_env()
     del base["MASTER_PORT"]
     with pytest.raises(UsageError, match="MASTER_PORT"):
-        ClusterEnv.detect(base)
+        detect_launch(base)
 
 
 # --------------------------------------------------------------------------- Slurm
 
 
 def test_srun_task_detected():
-    env = ClusterEnv.detect(srun_env(procid=5))
+    env = detect_launch(srun_env(procid=5))
     assert env == ClusterEnv(
         rank=5, world_size=6, local_rank=1, local_world_size=2, node_rank=2, num_nodes=3,
         master_addr="gpu-st-p4d-24xlarge-7", master_port=slurm_master_port(123456, 0), launcher="slurm",
@@ -136,8 +128,8 @@ def test_srun_task_detected():
 
 
 def test_slurm_port_comes_from_the_job_id_and_separates_concurrent_jobs():
-    port_a = ClusterEnv.detect(srun_env(SLURM_JOB_ID="4000")).master_port
-    port_b = ClusterEnv.detect(srun_env(SLURM_JOB_ID="4001")).master_port
+    port_a = detect_launch(srun_env(SLURM_JOB_ID="4000")).master_port
+    port_b = detect_launch(srun_env(SLURM_JOB_ID="4001")).master_port
     assert port_a != port_b
     assert all(10000 <= p < 30000 for p in (port_a, port_b))
     assert slurm_master_port(123456) == 10000 + 123456 % 20000
@@ -146,15 +138,15 @@ def test_slurm_port_comes_from_the_job_id_and_separates_concurrent_jobs():
 def test_slurm_steps_of_one_job_get_different_ports():
     # `srun ... doctor` (step 0) then `srun ... train` (step 1), or two steps side by side:
     # the job id alone gave both the same port.
-    doctor = {ClusterEnv.detect(srun_env(procid=p, SLURM_STEP_ID="0")).master_port for p in range(6)}
-    train = {ClusterEnv.detect(srun_env(procid=p, SLURM_STEP_ID="1")).master_port for p in range(6)}
+    doctor = {detect_launch(srun_env(procid=p, SLURM_STEP_ID="0")).master_port for p in range(6)}
+    train = {detect_launch(srun_env(procid=p, SLURM_STEP_ID="1")).master_port for p in range(6)}
     assert len(doctor) == 1 and len(train) == 1  # every task of a step agrees without talking
     assert doctor != train
     assert all(10000 <= port < 30000 for port in doctor | train)
     # Slurm's older spelling of the step id gives the same port.
     older = srun_env(procid=2)
     older["SLURM_STEPID"] = older.pop("SLURM_STEP_ID")
-    assert ClusterEnv.detect(older).master_port == ClusterEnv.detect(srun_env(procid=2)).master_port
+    assert detect_launch(older).master_port == detect_launch(srun_env(procid=2)).master_port
 
 
 def test_slurm_ports_of_nearby_jobs_and_steps_do_not_meet():
@@ -168,7 +160,7 @@ def test_slurm_ports_of_nearby_jobs_and_steps_do_not_meet():
 
 
 def test_slurm_master_addr_and_port_from_environment_win():
-    env = ClusterEnv.detect(srun_env(MASTER_ADDR="head", MASTER_PORT="31337"))
+    env = detect_launch(srun_env(MASTER_ADDR="head", MASTER_PORT="31337"))
     assert (env.master_addr, env.master_port) == ("head", 31337)
 
 
@@ -178,21 +170,21 @@ def test_slurm_uneven_tasks_per_node():
         procid=4, SLURM_NTASKS="5", SLURM_STEP_NUM_TASKS="5", SLURM_LOCALID="0", SLURM_NODEID="2",
         SLURM_STEP_TASKS_PER_NODE="2(x2),1",
     )
-    env = ClusterEnv.detect(environ)
+    env = detect_launch(environ)
     assert (env.local_world_size, env.node_rank, env.num_nodes) == (1, 2, 3)
 
 
 def test_slurm_master_is_first_host_of_job_nodelist_when_no_step_list():
     environ = srun_env(SLURM_JOB_NODELIST="node[01-04,07]")
     del environ["SLURM_STEP_NODELIST"]
-    assert ClusterEnv.detect(environ).master_addr == "node01"
+    assert detect_launch(environ).master_addr == "node01"
 
 
 def test_sbatch_shell_without_srun_is_not_slurm():
     # The batch script's own shell: SLURM_PROCID=0 and SLURM_NTASKS=6, but no step.
     environ = srun_env(procid=0)
     del environ["SLURM_STEP_ID"]
-    assert ClusterEnv.detect(environ).launcher == "single"
+    assert detect_launch(environ).launcher == "single"
 
 
 def test_interactive_one_task_shell_is_not_slurm():
@@ -200,7 +192,7 @@ def test_interactive_one_task_shell_is_not_slurm():
         procid=0, SLURM_JOB_NAME="bash", SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1",
         SLURM_STEP_TASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_STEP_NUM_NODES="1",
     )
-    assert ClusterEnv.detect(environ).launcher == "single"
+    assert detect_launch(environ).launcher == "single"
 
 
 def test_mpirun_inside_an_allocation_is_mpi_not_slurm():
@@ -209,19 +201,19 @@ def test_mpirun_inside_an_allocation_is_mpi_not_slurm():
     environ = srun_env(procid=1, SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
                        SLURM_LOCALID="0", SLURM_NODEID="1", SLURM_NNODES="2", SLURM_STEP_NUM_NODES="2")
     environ.update(ompi_env(rank=5))
-    env = ClusterEnv.detect(environ)
+    env = detect_launch(environ)
     assert (env.launcher, env.rank, env.world_size) == ("mpi", 5, 8)
 
 
 def test_malformed_slurm_values_name_the_variable():
     with pytest.raises(UsageError, match="SLURM_PROCID"):
-        ClusterEnv.detect(srun_env(SLURM_PROCID="five"))
+        detect_launch(srun_env(SLURM_PROCID="five"))
     with pytest.raises(UsageError, match="SLURM_PROCID=6 must be below SLURM_STEP_NUM_TASKS=6"):
-        ClusterEnv.detect(srun_env(procid=6))
+        detect_launch(srun_env(procid=6))
     with pytest.raises(UsageError, match="SLURM_STEP_NODELIST"):
-        ClusterEnv.detect(srun_env(SLURM_STEP_NODELIST="node[1-"))
+        detect_launch(srun_env(SLURM_STEP_NODELIST="node[1-"))
     with pytest.raises(UsageError, match="SLURM_STEP_TASKS_PER_NODE"):
-        ClusterEnv.detect(srun_env(SLURM_STEP_TASKS_PER_NODE="2(y3)"))
+        detect_launch(srun_env(SLURM_STEP_TASKS_PER_NODE="2(y3)"))
 
 
 # --------------------------------------------------------------------------- order
@@ -231,18 +223,18 @@ def test_torchrun_under_srun_is_torchelastic():
     # `srun torchrun`: Slurm's task is the torchrun agent (task 1 of 6), torchrun's RANK the
     # worker (6 of 8). Two processes, two worlds: not a contradiction.
     environ = {**srun_env(procid=1), **torchrun_env(rank=6)}
-    env = ClusterEnv.detect(environ)
+    env = detect_launch(environ)
     assert (env.launcher, env.rank, env.world_size) == ("torchelastic", 6, 8)
 
 
 def test_slurm_comes_before_mpi_when_they_agree():
     # srun --mpi=pmi2 exports PMI_RANK/PMI_SIZE equal to Slurm's.
     environ = {**srun_env(procid=3), "PMI_RANK": "3", "PMI_SIZE": "6", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
-    assert ClusterEnv.detect(environ).launcher == "slurm"
+    assert detect_launch(environ).launcher == "slurm"
 
 
 def test_nothing_is_single_process():
-    env = ClusterEnv.detect({})
+    env = detect_launch({})
     assert (env.rank, env.world_size, env.launcher, env.master_addr, env.master_port) == (0, 1, "single", "127.0.0.1", None)
     assert not env.is_distributed
 
@@ -250,14 +242,14 @@ def test_nothing_is_single_process():
 def test_detect_defaults_to_os_environ(monkeypatch):
     for name, value in torchrun_env(rank=2).items():
         monkeypatch.setenv(name, value)
-    assert ClusterEnv.detect().rank == 2
+    assert detect_launch().rank == 2
 
 
 # --------------------------------------------------------------------------- MPI
 
 
 def test_openmpi_by_slot_mapping_and_no_master():
-    env = ClusterEnv.detect(ompi_env(rank=5))
+    env = detect_launch(ompi_env(rank=5))
     assert env == ClusterEnv(
         rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, num_nodes=2,
         master_addr=None, master_port=None, launcher="mpi",
@@ -265,26 +257,26 @@ def test_openmpi_by_slot_mapping_and_no_master():
 
 
 def test_openmpi_master_from_environment():
-    env = ClusterEnv.detect(ompi_env(MASTER_ADDR="node0", MASTER_PORT="29400"))
+    env = detect_launch(ompi_env(MASTER_ADDR="node0", MASTER_PORT="29400"))
     assert (env.master_addr, env.master_port) == ("node0", 29400)
     with pytest.raises(UsageError, match="MASTER_PORT"):
-        ClusterEnv.detect(ompi_env(MASTER_ADDR="node0"))
+        detect_launch(ompi_env(MASTER_ADDR="node0"))
 
 
 def test_mpich_and_intel_mpi():
     environ = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
-    env = ClusterEnv.detect(environ)
+    env = detect_launch(environ)
     assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("mpi", 2, 4, 0, 2)
     assert (env.node_rank, env.num_nodes) == (1, 2)
     with pytest.raises(UsageError, match="MPI_LOCALRANKID"):
-        ClusterEnv.detect({"PMI_RANK": "2", "PMI_SIZE": "4"})
+        detect_launch({"PMI_RANK": "2", "PMI_SIZE": "4"})
 
 
 def test_malformed_mpi_values_name_the_variable():
     with pytest.raises(UsageError, match="OMPI_COMM_WORLD_LOCAL_RANK=4 must be below OMPI_COMM_WORLD_LOCAL_SIZE=4"):
-        ClusterEnv.detect(ompi_env(OMPI_COMM_WORLD_LOCAL_RANK="4"))
+        detect_launch(ompi_env(OMPI_COMM_WORLD_LOCAL_RANK="4"))
     with pytest.raises(UsageError, match="OMPI_COMM_WORLD_SIZE"):
-        ClusterEnv.detect(ompi_env(OMPI_COMM_WORLD_SIZE="0"))
+        detect_launch(ompi_env(OMPI_COMM_WORLD_SIZE="0"))
 
 
 def fake_mpi4py(monkeypatch, rank, size=8, broadcast_result=None, hosts=None):
@@ -321,7 +313,7 @@ def fake_mpi4py(monkeypatch, rank, size=8, broadcast_result=None, hosts=None):
 
 def test_resolve_master_via_mpi_rank0_proposes_and_broadcasts(monkeypatch):
     calls = fake_mpi4py(monkeypatch, rank=0)
-    env = resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=0)))
+    env = resolve_master_via_mpi(detect_launch(ompi_env(rank=0)))
     (proposal, root), layout_call = calls
     assert root == 0 and proposal == (env.master_addr, env.master_port)
     assert env.master_addr and 0 < env.master_port < 65536
@@ -330,7 +322,7 @@ def test_resolve_master_via_mpi_rank0_proposes_and_broadcasts(monkeypatch):
 
 def test_resolve_master_via_mpi_other_ranks_take_rank0s_answer(monkeypatch):
     calls = fake_mpi4py(monkeypatch, rank=5, broadcast_result=("node0", 41000))
-    env = resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=5)))
+    env = resolve_master_via_mpi(detect_launch(ompi_env(rank=5)))
     assert calls == [(None, 0), ("layout", None)]
     assert (env.master_addr, env.master_port, env.rank) == ("node0", 41000, 5)
 
@@ -340,7 +332,7 @@ def test_resolve_master_via_mpi_takes_the_nodes_from_mpi_not_from_rank_order(mon
     # the environment alone can only guess rank // local size (node 1 for rank 5, local rank 1).
     hosts = ["a", "b"] * 4
     fake_mpi4py(monkeypatch, rank=5, hosts=hosts)
-    detected = ClusterEnv.detect(ompi_env(rank=5, MASTER_ADDR="a", MASTER_PORT="29400"))
+    detected = detect_launch(ompi_env(rank=5, MASTER_ADDR="a", MASTER_PORT="29400"))
     env = resolve_master_via_mpi(detected)
     same_host = [r for r in range(8) if hosts[r] == hosts[5]]
     assert env.node_of_rank == tuple(0 if h == hosts[0] else 1 for h in hosts)
@@ -354,24 +346,24 @@ def test_resolve_master_via_mpi_refuses_an_mpi4py_that_sees_another_world(monkey
     # mpi4py built against another MPI than the mpiexec: every process is its own world.
     fake_mpi4py(monkeypatch, rank=0, size=1)
     with pytest.raises(UsageError, match="mpi4py sees rank 0 of 1 but the launcher set rank 5 of 8"):
-        resolve_master_via_mpi(ClusterEnv.detect(ompi_env(rank=5)))
+        resolve_master_via_mpi(detect_launch(ompi_env(rank=5)))
 
 
 def test_resolve_master_via_mpi_with_exported_master_and_no_mpi4py_runs_as_before(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
-    env = ClusterEnv.detect(ompi_env(rank=5, MASTER_ADDR="node0", MASTER_PORT="29400"))
+    env = detect_launch(ompi_env(rank=5, MASTER_ADDR="node0", MASTER_PORT="29400"))
     assert resolve_master_via_mpi(env) is env and env.node_of_rank is None
 
 
 def test_resolve_master_via_mpi_without_mpi4py(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
     with pytest.raises(UsageError, match=r"pip install 'distlm\[mpi\]'"):
-        resolve_master_via_mpi(ClusterEnv.detect(ompi_env()))
+        resolve_master_via_mpi(detect_launch(ompi_env()))
 
 
 def test_resolve_master_via_mpi_keeps_a_known_master(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # would fail if it were imported
-    env = ClusterEnv.detect(torchrun_env())
+    env = detect_launch(torchrun_env())
     assert resolve_master_via_mpi(env) is env
 
 
@@ -432,7 +424,7 @@ BOOT_A, BOOT_B = "boot-a", "boot-b"
 
 def fairseq_envs(world_size: int) -> list[ClusterEnv]:
     """Every rank of a fairseq-style launch: --distributed-rank R --distributed-world-size N."""
-    return [ClusterEnv.detect({}, ExplicitLaunch(world_size=world_size, rank=rank, init_method="tcp://h0:29500"))
+    return [detect_launch({}, ExplicitLaunch(world_size=world_size, rank=rank, init_method="tcp://h0:29500"))
             for rank in range(world_size)]
 
 
@@ -470,9 +462,9 @@ def test_a_host_is_its_name_boot_and_network_namespace(hosts, node_of_rank):
 
 
 def test_env_launch_and_torchrun_without_group_rank_take_the_nodes_from_the_hosts():
-    kubeflow = [ClusterEnv.detect(kubeflow_env(rank)) for rank in range(4)]
+    kubeflow = [detect_launch(kubeflow_env(rank)) for rank in range(4)]
     partial = {k: v for k, v in torchrun_env().items() if k not in ("GROUP_RANK", "GROUP_WORLD_SIZE")}
-    torchrun = [ClusterEnv.detect({**partial, "RANK": str(r), "LOCAL_RANK": str(r % 4)}) for r in range(8)]
+    torchrun = [detect_launch({**partial, "RANK": str(r), "LOCAL_RANK": str(r % 4)}) for r in range(8)]
     kubeflow_placed = placed(kubeflow, [Host(f"pod{r}", BOOT_A, r) for r in range(4)])
     assert [e.node_of_rank for e, _ in kubeflow_placed] == [(0, 1, 2, 3)] * 4
     # torchrun assumed consecutive ranks per node; here the hosts hold them round robin.
@@ -481,7 +473,7 @@ def test_env_launch_and_torchrun_without_group_rank_take_the_nodes_from_the_host
 
 
 def test_a_launcher_node_spanning_hosts_is_one_line_on_every_rank():
-    envs = [ClusterEnv.detect(torchrun_env(rank, GROUP_RANK="0")) for rank in range(8)]  # GROUP_RANK exported wrong
+    envs = [detect_launch(torchrun_env(rank, GROUP_RANK="0")) for rank in range(8)]  # GROUP_RANK exported wrong
     hosts = [Host("node0", BOOT_A, 1)] * 4 + [Host("node1", BOOT_B, 1)] * 4
     for env in envs:
         with pytest.raises(UsageError) as refused:
@@ -495,7 +487,7 @@ def test_a_launcher_node_spanning_hosts_is_one_line_on_every_rank():
 def test_a_launcher_that_says_the_nodes_keeps_them():
     # Right: torchrun's 2 nodes on 2 hosts. Finer than the hosts: two agents on one machine
     # (how tests and stand-ins simulate nodes) keep their 2 nodes.
-    envs = [ClusterEnv.detect(torchrun_env(rank)) for rank in range(8)]
+    envs = [detect_launch(torchrun_env(rank)) for rank in range(8)]
     two_hosts = [Host("node0", BOOT_A, 1)] * 4 + [Host("node1", BOOT_B, 1)] * 4
     for hosts, line in [(two_hosts, "2 nodes from launcher torchelastic, on 2 hosts (node0: ranks 0-3; node1: ranks 4-7)"),
                         ([Host("vm", BOOT_A, 1)] * 8, "2 nodes from launcher torchelastic, on 1 host (vm: ranks 0-7)")]:
@@ -549,7 +541,7 @@ def kubeflow_env(rank: int = 3, **extra: str) -> dict[str, str]:
 
 
 def test_kubeflow_pytorchjob_is_one_process_per_host():
-    envs = [ClusterEnv.detect(kubeflow_env(rank=r)) for r in range(4)]
+    envs = [detect_launch(kubeflow_env(rank=r)) for r in range(4)]
     for rank, env in enumerate(envs):
         assert env == ClusterEnv(
             rank=rank, world_size=4, local_rank=0, local_world_size=1, node_rank=rank, num_nodes=4,
@@ -560,24 +552,24 @@ def test_kubeflow_pytorchjob_is_one_process_per_host():
 
 def test_rank_variables_alone_do_not_steal_other_launchers():
     # A job script exporting RANK/WORLD_SIZE per task, agreeing with srun or mpiexec.
-    assert ClusterEnv.detect(srun_env(procid=5, RANK="5", WORLD_SIZE="6")).launcher == "slurm"
-    assert ClusterEnv.detect(srun_env(procid=5, WORLD_SIZE="6")).launcher == "slurm"
-    assert ClusterEnv.detect(ompi_env(rank=5, RANK="5", WORLD_SIZE="8")).launcher == "mpi"
+    assert detect_launch(srun_env(procid=5, RANK="5", WORLD_SIZE="6")).launcher == "slurm"
+    assert detect_launch(srun_env(procid=5, WORLD_SIZE="6")).launcher == "slurm"
+    assert detect_launch(ompi_env(rank=5, RANK="5", WORLD_SIZE="8")).launcher == "mpi"
 
 
 def test_rank_variables_with_one_process_and_no_master():
-    env = ClusterEnv.detect({"RANK": "0", "WORLD_SIZE": "1"})
+    env = detect_launch({"RANK": "0", "WORLD_SIZE": "1"})
     assert (env.launcher, env.is_distributed, env.master_addr, env.master_port) == ("env", False, "127.0.0.1", None)
 
 
 def test_rank_variables_with_explicit_flags():
     # fairseq flags may repeat the environment and name the master, never contradict it.
     environ = {"RANK": "2", "WORLD_SIZE": "4"}
-    env = ClusterEnv.detect(environ, ExplicitLaunch(world_size=4, rank=2, init_method="tcp://h0:29500"))
+    env = detect_launch(environ, ExplicitLaunch(world_size=4, rank=2, init_method="tcp://h0:29500"))
     assert (env.launcher, env.rank, env.master_addr, env.master_port) == ("env", 2, "h0", 29500)
     with pytest.raises(UsageError, match="--distributed-rank 3 but RANK=2"):
-        ClusterEnv.detect(kubeflow_env(rank=2), ExplicitLaunch(rank=3))
-    env = ClusterEnv.detect(kubeflow_env(rank=2), ExplicitLaunch(init_method="env://"))
+        detect_launch(kubeflow_env(rank=2), ExplicitLaunch(rank=3))
+    env = detect_launch(kubeflow_env(rank=2), ExplicitLaunch(init_method="env://"))
     assert (env.master_addr, env.master_port) == ("bert-master-0", 23456)
 
 
@@ -606,7 +598,7 @@ def test_rank_variables_with_explicit_flags():
 )
 def test_partial_or_contradictory_environment_is_one_line_naming_the_variables(environ, message):
     with pytest.raises(UsageError, match=message) as caught:
-        ClusterEnv.detect(environ)
+        detect_launch(environ)
     assert "\n" not in str(caught.value)
 
 
@@ -614,7 +606,7 @@ def test_partial_or_contradictory_environment_is_one_line_naming_the_variables(e
 
 
 def test_explicit_launch_alone():
-    env = ClusterEnv.detect({}, ExplicitLaunch(world_size=4, rank=3, init_method="tcp://10.1.2.3:23456"))
+    env = detect_launch({}, ExplicitLaunch(world_size=4, rank=3, init_method="tcp://10.1.2.3:23456"))
     assert env == ClusterEnv(
         rank=3, world_size=4, local_rank=0, local_world_size=1, node_rank=3, num_nodes=4,
         master_addr="10.1.2.3", master_port=23456, launcher="explicit",
@@ -622,37 +614,37 @@ def test_explicit_launch_alone():
 
 
 def test_explicit_env_init_method_reads_master_variables():
-    env = ClusterEnv.detect(
+    env = detect_launch(
         {"MASTER_ADDR": "h0", "MASTER_PORT": "1234"}, ExplicitLaunch(world_size=2, rank=1, init_method="env://")
     )
     assert (env.master_addr, env.master_port, env.launcher) == ("h0", 1234, "explicit")
     with pytest.raises(UsageError, match="MASTER_ADDR"):
-        ClusterEnv.detect({}, ExplicitLaunch(world_size=2, rank=1, init_method="env://"))
+        detect_launch({}, ExplicitLaunch(world_size=2, rank=1, init_method="env://"))
 
 
 def test_explicit_world_size_one_alone_is_single():
-    assert ClusterEnv.detect({}, ExplicitLaunch(world_size=1)).launcher == "single"
+    assert detect_launch({}, ExplicitLaunch(world_size=1)).launcher == "single"
 
 
 def test_explicit_incomplete_names_missing_flags():
     with pytest.raises(UsageError, match="--distributed-rank, --distributed-init-method"):
-        ClusterEnv.detect({}, ExplicitLaunch(world_size=4))
+        detect_launch({}, ExplicitLaunch(world_size=4))
 
 
 def test_explicit_rank_out_of_range():
     with pytest.raises(UsageError, match="--distributed-rank 4 must be below --distributed-world-size 4"):
-        ClusterEnv.detect({}, ExplicitLaunch(world_size=4, rank=4, init_method="tcp://h:1"))
+        detect_launch({}, ExplicitLaunch(world_size=4, rank=4, init_method="tcp://h:1"))
 
 
 def test_explicit_conflicting_with_slurm_names_both():
     with pytest.raises(UsageError, match="--distributed-rank 3 but SLURM_PROCID=1"):
-        ClusterEnv.detect(srun_env(procid=1), ExplicitLaunch(rank=3))
+        detect_launch(srun_env(procid=1), ExplicitLaunch(rank=3))
     with pytest.raises(UsageError, match="--distributed-world-size 4 but SLURM_STEP_NUM_TASKS=6"):
-        ClusterEnv.detect(srun_env(procid=1), ExplicitLaunch(world_size=4))
+        detect_launch(srun_env(procid=1), ExplicitLaunch(world_size=4))
 
 
 def test_explicit_agreeing_with_launcher_supplies_the_master():
-    env = ClusterEnv.detect(
+    env = detect_launch(
         srun_env(procid=1), ExplicitLaunch(world_size=6, rank=1, init_method="tcp://[fd00::1]:4000")
     )
     assert (env.launcher, env.rank, env.master_addr, env.master_port) == ("slurm", 1, "fd00::1", 4000)
@@ -663,7 +655,7 @@ def test_explicit_agreeing_with_launcher_supplies_the_master():
 )
 def test_malformed_init_method_names_the_flag(bad):
     with pytest.raises(UsageError, match="--distributed-init-method"):
-        ClusterEnv.detect({}, ExplicitLaunch(world_size=2, rank=0, init_method=bad))
+        detect_launch({}, ExplicitLaunch(world_size=2, rank=0, init_method=bad))
 
 
 def test_parse_init_method():

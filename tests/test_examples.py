@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from distlm.checkpoint import CheckpointReader
-from distlm.env import find_free_port
+from distlm.launch.hosts import find_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -74,7 +74,7 @@ JOB_NAMES_UNSET = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
 
 
 def _export_writes_hf() -> bool:
-    from distlm import export
+    from distlm.export import cli as export
 
     help_text = io.StringIO()
     with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
@@ -409,7 +409,7 @@ def test_70b_recipe_builds_the_shape_of_its_hugging_face_config():
 
     import torch
 
-    from distlm.builder import resolve_model_spec
+    from distlm.training.builder import resolve_model_spec
     from distlm.config import parse_args
     from distlm.models.flops import count_parameters, model_shape, shape_from_hf_config
 

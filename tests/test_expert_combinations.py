@@ -27,9 +27,9 @@ from distlm.config import parse_args
 from distlm.data.batches import with_host_facts
 from distlm.models import build_model
 from distlm.models.contract import model_tp_plan
-from distlm.parallel.full_state import consolidated_parameters
+from distlm.state.full import consolidated_parameters
 from distlm.parallel.tp import _resolve
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import assert_params_close
 from test_expert_parallel import UPDATES, args_for, train
 

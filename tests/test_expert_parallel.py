@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import Scenarios
-from distlm import export
+from distlm.export import cli as export
 from distlm.config import parse_args
 from distlm.models.moe import moe_layers
-from distlm.parallel.full_state import consolidated_parameters
-from distlm.trainer import Trainer
+from distlm.state.full import consolidated_parameters
+from distlm.training.trainer import Trainer
 from test_ddp import assert_params_close, common_args
 
 UPDATES = 3

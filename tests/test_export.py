@@ -20,9 +20,9 @@ from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.data import load_lm_data
 from distlm.data.dictionary import Dictionary
-from distlm.export import main
+from distlm.export.cli import main
 from distlm.models import build_model
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 UPDATES = 2
 
@@ -264,7 +264,7 @@ def test_an_export_follows_the_umask(trained, tmp_path):
 KILLED_EXPORT = """
 import os, signal, sys
 from distlm.models.hf import io
-from distlm.export import main
+from distlm.export.cli import main
 
 def die(*args, **kwargs):  # after the weights are written, before config.json
     os.kill(os.getpid(), signal.SIGKILL)

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from distributed import run_distributed
 from distlm.config import parse_args
-from distlm.distributed import CollectiveFailure
-from distlm.env import find_free_port
-from distlm.heartbeat import Heartbeat, describe_missing
+from distlm.runtime.context import CollectiveFailure
+from distlm.launch.hosts import find_free_port
+from distlm.runtime.heartbeat import Heartbeat, describe_missing
 from distlm.errors import exit_without_teardown
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 
 TIMEOUT_SEC = 3

@@ -20,10 +20,10 @@ from torch import nn
 
 from distributed import run_distributed
 from distlm.errors import UsageError
-from distlm.memory import memory_report, zero_formula_bytes
+from distlm.training.memory import memory_report, zero_formula_bytes
 from distlm.models import build_model
-from distlm.checkpoint.state import load_model_state, model_state, optimizer_state, optimizer_state_to_load
-from distlm.parallel.full_state import full_state_dict, load_full_state_dict
+from distlm.checkpoint.stateful import load_model_state, model_state, optimizer_state, optimizer_state_to_load
+from distlm.state.full import full_state_dict, load_full_state_dict
 from distlm.parallel.handle import gradient_sync
 from distlm.parallel.fsdp import apply_fsdp, check_cpu_offload, fsdp_dtypes
 

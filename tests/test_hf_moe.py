@@ -17,11 +17,11 @@ import transformers
 from safetensors import safe_open
 
 from distributed import Scenarios
-from distlm.builder import resolve_model_spec
+from distlm.training.builder import resolve_model_spec
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
 from distlm.errors import UsageError
-from distlm.export import main as export_main
+from distlm.export.cli import main as export_main
 from distlm.models import ARCHS, build_model
 from distlm.models.hf import (
     SpecialTokens,

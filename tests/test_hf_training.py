@@ -20,11 +20,11 @@ from distlm import checkpoint
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
 from distlm.errors import UsageError
-from distlm.export import main as export_main
+from distlm.export.cli import main as export_main
 from distlm.models.hf import io, load_hf_model
-from distlm.parallel.full_state import consolidated_parameters
+from distlm.state.full import consolidated_parameters
 from distlm.train import main as train_main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 from test_hf_models import LLAMA_SETTINGS, ROBERTA_SETTINGS, perturbed
 

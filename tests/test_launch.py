@@ -22,11 +22,12 @@ import torch.distributed as dist
 from distributed import run_distributed
 from distlm import checkpoint
 from distlm.config import parse_args
-from distlm import env as env_module
-from distlm.env import device_index, find_free_port
+from distlm.launch import devices as env_module
+from distlm.launch.devices import device_index
+from distlm.launch.hosts import find_free_port
 from distlm.errors import UsageError
-from distlm.parallel.names import unwrap
-from distlm.trainer import Trainer
+from distlm.state.names import unwrap
+from distlm.training.trainer import Trainer
 
 # A subprocess that takes longer than this is hung; a normal run takes 5-20 s here.
 SUBPROCESS_TIMEOUT = 240
@@ -344,7 +345,7 @@ def test_one_visible_device_is_refused_when_torchrun_workers_would_share_it(envi
 def test_a_worker_tells_an_inherited_device_from_its_own_by_its_parent(tmp_path):
     """Through /proc: an "agent" process started with CUDA_VISIBLE_DEVICES=0 starts a worker
     that inherits it (refused), and one that is given its own value (accepted)."""
-    worker = ("import sys; from distlm.env import device_index; from distlm.errors import UsageError\n"
+    worker = ("import sys; from distlm.launch.devices import device_index; from distlm.errors import UsageError\n"
               "try: print(device_index(1, 2, 1))\nexcept UsageError as err: print(err)")
     agent = ("import os, subprocess, sys\n"
              "for own in (None, '1'):\n"

@@ -23,7 +23,7 @@ from distlm.data import load_split
 from distlm.data.batches import update_batches
 from distlm.data.sampler import TokenBudgetSampler
 from distlm.errors import UsageError
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 # 400 sentences of 4 to 29 inputs: 9 batches an epoch, so 2 batches an update cross
 # into epoch 1 at update 5, and update 3 ends in the middle of epoch 0.
@@ -249,7 +249,7 @@ def test_max_tokens_valid_splits_the_split_between_ranks_every_sample_once(data_
     batches run empty ones until the rank with the most is done (see Validator._subset)."""
     from types import SimpleNamespace
 
-    from distlm.evaluation import Validator
+    from distlm.training.evaluation import Validator
 
     config = parse_args(valid_args(data_dir, "--max-tokens-valid", "96", "--required-batch-size-multiple", "1"))
     data = load_split(config, "valid", "causal_lm", None)

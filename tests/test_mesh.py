@@ -58,9 +58,9 @@ def groups_on_real_ranks(tp: int) -> dict:
     import os
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.env import ClusterEnv
+    from distlm.launch.detect import detect_launch
 
-    env = ClusterEnv.detect()
+    env = detect_launch()
     dims = ParallelDims(world_size=int(os.environ["WORLD_SIZE"]), tp=tp)
     if not dist.is_initialized():  # the job's first scenario; the next ones build their meshes on it
         CpuBackend().init_process_group(env, datetime.timedelta(seconds=60))

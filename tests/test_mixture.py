@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distlm.agreement import fingerprint_data
+from distlm.runtime.agreement import fingerprint_data
 from distlm.config import parse_args
 from distlm.data import GlobalBatchSampler, MMapIndexedDataset, load_split, write_indexed_dataset
 from distlm.data.batches import training_sampler
 from distlm.errors import UsageError
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_resume import args_for, assert_identical, final_state, fit
 
 WORDS = 30  # ids 4-33; each source writes its own tenth of them, so a sample names its source

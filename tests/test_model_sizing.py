@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from distlm.builder import choose_vocabulary, resolve_model_spec
-from distlm.start_log import describe_shape
+from distlm.training.builder import choose_vocabulary, resolve_model_spec
+from distlm.training.start_log import describe_shape
 from distlm.config import ARCH_FLAGS, SHARED_ARCH_FLAGS, parse_args
 from distlm.data import load_lm_data, load_vocabulary
 from distlm.data.batches import with_host_facts

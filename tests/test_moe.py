@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from distlm.backends import get_backend
 from distlm.config import parse_args
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
 from distlm.models import arch_config, build_model
@@ -24,8 +24,8 @@ from distlm.models.flops import count_parameter_tensors, count_parameters, flops
 from distlm.models.hf import adapter_for
 from distlm.models.moe import MoEConfig, MoEFeedForward, finish_update, moe_layers, moe_parameter_counts
 from distlm.parallel.expert import apply_moe
-from distlm.start_log import describe_shape
-from distlm.validation import validate
+from distlm.training.start_log import describe_shape
+from distlm.training.validation import validate
 
 # ------------------------------------------------------------------ a hand-routed layer
 

@@ -21,13 +21,13 @@ from distributed import Scenarios
 from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.models.moe import moe_layers
-from distlm.parallel.names import parameter_names
+from distlm.state.names import parameter_names
 from distlm.parallel.replicas import ReplicaDrift
 from distlm.parity.__main__ import main
 from distlm.parity.compare import StepComparison, Tolerance, expert_slices, first_divergence
 from distlm.parity.layouts import parse_layout
 from distlm.parity.worker import PERTURB_VARIABLE
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 
 LAYOUT = "ep=2"

@@ -27,10 +27,12 @@ import torch
 from distlm import checkpoint
 from distlm.config import parse_args
 from distlm.backends import get_backend
-from distlm.env import ClusterEnv, Host, place_by_hosts, resolve_master_via_mpi
+from distlm.launch.detect import detect_launch
+from distlm.launch.hosts import Host, place_by_hosts
+from distlm.launch.mpi import resolve_master_via_mpi
 from distlm.errors import UsageError
 from distlm.parallel import mpi_transport
-from distlm.validation import validate
+from distlm.training.validation import validate
 from distlm.parallel.mpi_transport import (
     MPITransport,
     check_mpi_launch,
@@ -43,7 +45,7 @@ from distlm.parallel.mpi_transport import (
     required_thread_level,
     wire_formats,
 )
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from distributed import run_distributed
 
 pytestmark = pytest.mark.mpi
@@ -214,7 +216,7 @@ def test_a_launcher_that_does_not_say_the_nodes_is_placed_by_the_hosts(monkeypat
     # Without mpi4py nothing but the hosts says which ranks share one (--map-by node places
     # them round robin); torchrun variables without GROUP_RANK neither.
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
-    env = resolve_master_via_mpi(ClusterEnv.detect(environ))
+    env = resolve_master_via_mpi(detect_launch(environ))
     assert env.nodes_assumed is not None
     # Not refused before the rendezvous: the hosts gathered at start say it (init_distributed).
     hierarchical = parse_args(["--comm-hook", "hierarchical", "--device", "cpu", "--arch", "roberta_tiny"])

@@ -1,6 +1,6 @@
 """Node failures: restarts across torchrun agents, lost agents, cut links, lost shards.
 
-- The store of a restarted attempt (distlm/attempt_store.py): each rank's side runs on a
+- The store of a restarted attempt (distlm/backends/attempt_store.py): each rank's side runs on a
   thread against a TCPStore that stands in for torchrun's agent; no process group.
 - A worker dies with its agent: a plain process tree.
 - A save dir that is not one file system: one 2-rank job whose rank 1 has a mount
@@ -35,17 +35,17 @@ import torch.distributed as dist
 from cluster import Cluster, require_cluster
 from conftest import LAUNCHER_VARIABLES
 from distributed import Scenarios
-from distlm import attempt_store
+from distlm.backends import attempt_store
 from distlm.backends import DistributedTimeout
 from distlm.backends.base import create_store
 from distlm.checkpoint import integrity
 from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError
 from distlm.checkpoint.lock import GUARD_FILE
 from distlm.config import parse_args
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
-from distlm.heartbeat import RankState, describe_missing
-from distlm.trainer import Trainer
+from distlm.runtime.heartbeat import RankState, describe_missing
+from distlm.training.trainer import Trainer
 from test_launch import args_for, assert_models_identical, fit, last_checkpoint
 
 SHORT = datetime.timedelta(seconds=1)
@@ -141,7 +141,7 @@ AGENT = textwrap.dedent('''
 ''')
 WORKER = textwrap.dedent('''
     import time
-    from distlm.signals import die_with_torchrun_agent
+    from distlm.runtime.signals import die_with_torchrun_agent
     print("armed" if die_with_torchrun_agent() else "not armed", flush=True)
     time.sleep(60)
 ''')

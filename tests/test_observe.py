@@ -25,7 +25,7 @@ import torch
 from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.observe.trackers import Trackers, record_tags
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from distlm.train import main
 
 FAIRSEQ_LOG = Path(__file__).parent / "data" / "fairseq_masked_lm_train.log"  # provenance: tests/data/README.md
@@ -150,7 +150,7 @@ def test_numbers_in_log_lines_keep_their_significant_digits(observed_run):
     lines = json_lines((observed_run["root"] / "train.log").read_text())
     assert {line["lr"] for line in lines if line["kind"] == "train"} == {1e-09}
     # An MFU, gradient norm or rate far below 1 keeps its digits; rounding to decimals made them 0.0.
-    from distlm.metrics import TrainStats
+    from distlm.training.stats import TrainStats
 
     stats = TrainStats(flops_per_token=1.0, peak_flops_per_device=1e30)
     stats.add(torch.tensor(3.0), 4, 4, 1)
@@ -159,7 +159,7 @@ def test_numbers_in_log_lines_keep_their_significant_digits(observed_run):
 
 
 def test_simple_format_is_key_value_pairs_with_no_python_reprs(observed_run):
-    from distlm.metrics import Printer
+    from distlm.observe.printer import Printer
 
     lines = json_lines((observed_run["root"] / "train.log").read_text())
     summary = next(line for line in lines if line["kind"] == "summary")

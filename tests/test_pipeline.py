@@ -17,13 +17,14 @@ from torch.distributed.tensor import DTensor
 from safetensors import safe_open
 
 from distributed import Scenarios, run_distributed
-from distlm import checkpoint, export
-from distlm.checkpoint.state import optimizer_state
+from distlm import checkpoint
+from distlm.export import cli as export
+from distlm.checkpoint.stateful import optimizer_state
 from distlm.config import parse_args
-from distlm.divergence import DivergenceError
-from distlm.parallel.full_state import consolidated_parameters
+from distlm.training.divergence import DivergenceError
+from distlm.state.full import consolidated_parameters
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 
 UPDATES = 3
@@ -275,7 +276,7 @@ def test_balanced_split_minimises_the_largest_stage(stages):
     stage, norm and head on the last), on the meta device."""
     from itertools import combinations
 
-    from distlm.builder import resolve_model_spec
+    from distlm.training.builder import resolve_model_spec
     from distlm.config import ModelConfig
     from distlm.parallel.pipeline import _part_size, balanced_split
 

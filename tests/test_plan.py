@@ -18,7 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import run_distributed
-from distlm import metrics
+from distlm.observe.printer import strict_json
+from distlm.training import stats as metrics
 from distlm.backends import hardware
 from distlm.backends.hardware import peak_flops
 from distlm.errors import UsageError
@@ -377,7 +378,7 @@ def test_a_device_without_peak_logs_once_and_prints_null_mfu(ec2_product_name, m
     stats.add(torch.tensor(10.0), target_tokens=64, input_tokens=64, samples=2)
     record = stats.reduce(None)
     assert record["mfu"] is None and record["tokens_per_sec_per_device"] > 0
-    assert '"mfu": null' in json.dumps(metrics.strict_json(record))
+    assert '"mfu": null' in json.dumps(strict_json(record))
     assert stats.summary_rates()["mfu"] is None  # the summary, over the one logged interval
     ec2_product_name.write_text("trn1.32xlarge")  # now known: a number
     assert metrics.mfu_inputs(model, SEQ_LEN, "xla", torch.bfloat16)[1] == pytest.approx(190e12 / 2)

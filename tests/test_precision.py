@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from distlm.config import parse_args
-from distlm.divergence import DivergenceError
+from distlm.training.divergence import DivergenceError
 from distlm.errors import UsageError
 from distlm.optim import Fp32StateAdamW
-from distlm.parallel.names import unwrap
+from distlm.state.names import unwrap
 from distlm.precision import DynamicLossScaler, Precision
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 # ------------------------------------------------------------------ DynamicLossScaler
 

@@ -354,8 +354,8 @@ def train_two_updates_and_export(data: Path | None, arch: str, root: Path) -> tu
     """2 updates of ``arch`` on ``data`` (None: the built-in corpus), saved, then
     ``python -m distlm.export --hf``; returns the save dir and the export."""
     from distlm.config import parse_args
-    from distlm.export import main as export_main
-    from distlm.trainer import Trainer
+    from distlm.export.cli import main as export_main
+    from distlm.training.trainer import Trainer
 
     save_dir, hf_dir = root / "run", root / "hf"
     Trainer(parse_args([

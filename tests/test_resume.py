@@ -16,7 +16,7 @@ import torch
 from distributed import Scenarios
 from distlm import checkpoint
 from distlm.config import parse_args
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 
 def fit(args: list[str]) -> int | None:
@@ -60,7 +60,7 @@ def test_resume_is_exact_single_process(data_dir, tmp_path):
 def fit_counting_whole_models(runs: list[list[str]]) -> list[dict]:
     """``fit`` each run; also count, per run on this rank, the whole models initialised
     from the seed and the materialisations and broadcasts of rank 0's weights."""
-    import distlm.builder
+    import distlm.training.builder
     import distlm.parallel.api
 
     calls: dict[str, int] = {}
@@ -74,7 +74,7 @@ def fit_counting_whole_models(runs: list[list[str]]) -> list[dict]:
 
         setattr(module, name, call)
 
-    counted(distlm.builder, "_initialised")
+    counted(distlm.training.builder, "_initialised")
     counted(distlm.parallel.api, "materialise")
     counted(distlm.parallel.api, "broadcast_from_rank0")
     results = []

@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 
-from distlm.agreement import data_files
+from distlm.runtime.agreement import data_files
 from distlm.checkpoint.compare import changed_settings
 from distlm.config import parse_args
 from distlm.checkpoint import directory

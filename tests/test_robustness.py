@@ -14,8 +14,9 @@ from distlm.backends.cuda import CudaBackend
 from distlm.config import OptimConfig, PrecisionConfig, parse_args
 from distlm.doctor.cli import main as doctor_main
 from distlm.errors import UsageError
-from distlm.export import main as export_main
-from distlm.metrics import perplexity, strict_json
+from distlm.export.cli import main as export_main
+from distlm.training.stats import perplexity
+from distlm.observe.printer import strict_json
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.train import main
 from test_ddp import common_args

@@ -18,7 +18,7 @@ import pytest
 from distlm.checkpoint import directory
 from distlm.checkpoint.lock import GUARD_FILE, LOCK_FILE, SaveDirLock, _boot_id, _process_start
 from distlm.errors import UsageError
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_checkpoint_trust import run_main, tiny_args
 
 TAKERS, ROUNDS = 6, 200

@@ -9,7 +9,7 @@ from distributed import run_distributed
 from distlm.config import parse_args
 from distlm.data import MMapIndexedDataset, write_indexed_dataset
 from distlm.errors import UsageError
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 
 def write_data(root, bad_sentences: list[int]) -> None:

@@ -110,7 +110,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_update(data_dir, tmp_path):
 
 def test_a_second_signal_exits_at_once(tmp_path):
     """The second SIGTERM is acted on even while the main thread is blocked in a lock."""
-    script = ("import threading\nfrom distlm.signals import StopSignals\nStopSignals().install()\n"
+    script = ("import threading\nfrom distlm.runtime.signals import StopSignals\nStopSignals().install()\n"
               "print('ready', flush=True)\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

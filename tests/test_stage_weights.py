@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlm.builder import build_model_for_run, resolve_model_spec
+from distlm.training.builder import build_model_for_run, resolve_model_spec
 from distlm.config import ModelConfig
 from distlm.mesh import ParallelDims
 

@@ -16,8 +16,8 @@ import pytest
 from distributed import Scenarios
 from distlm.config import parse_args
 from distlm.models.flops import count_parameters
-from distlm.parallel.names import unwrap
-from distlm.trainer import Trainer
+from distlm.state.names import unwrap
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 
 DISTLM = str(Path(__file__).resolve().parents[1] / "distlm")

@@ -22,12 +22,14 @@ import torch
 from safetensors import safe_open
 
 from distributed import Scenarios
-from distlm import agreement, checkpoint, export
-from distlm.parallel.full_state import consolidated_parameters
+from distlm.runtime import agreement
+from distlm import checkpoint
+from distlm.export import cli as export
+from distlm.state.full import consolidated_parameters
 from distlm.config import parse_args
 from distlm.errors import UsageError
-from distlm.memory import zero_formula_bytes
-from distlm.trainer import Trainer
+from distlm.training.memory import zero_formula_bytes
+from distlm.training.trainer import Trainer
 from test_ddp import PARAM_ATOL, UPDATES, assert_params_close, common_args, train
 
 GLOBAL_BATCH = 8
@@ -263,20 +265,20 @@ def test_tensor_parallel_gradients_and_replicated_copies(jobs):
 
 
 def _tensor_parallel_probe(args: list[str]) -> dict:
-    import distlm.builder
+    import distlm.training.builder
 
     whole_models = []
-    initialise = distlm.builder._initialised
+    initialise = distlm.training.builder._initialised
 
     def counted(model, device, *args):
         whole_models.append(device)
         return initialise(model, device, *args)
 
-    distlm.builder._initialised = counted
+    distlm.training.builder._initialised = counted
     try:
         trainer = Trainer(parse_args(args + ["--batch-size", "4", "--tp-degree", "2", "--log-interval", "1"]))
     finally:
-        distlm.builder._initialised = initialise
+        distlm.training.builder._initialised = initialise
     trainer.train_step(next(trainer.update_batches()))
     model = trainer.model
     with torch.no_grad():

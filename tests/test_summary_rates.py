@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlm import metrics
-from distlm.metrics import TrainStats
+from distlm.training import stats as metrics
+from distlm.training.stats import TrainStats
 from distlm.models import build_model
 from distlm.models.flops import flops_per_token
 from distlm.parallel.pipeline import cut_model

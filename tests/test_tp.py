@@ -251,7 +251,7 @@ def _gqa_job(reference_path: str, save_dir: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from distlm.checkpoint.state import model_state, optimizer_state
+    from distlm.checkpoint.stateful import model_state, optimizer_state
     from distlm.mesh import ParallelDims
     from distlm.parallel.api import materialise
     from distlm.parallel.replicas import first_replica_drift

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from distributed import Scenarios
-from distlm import validation
+from distlm.training import validation
 from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
-from distlm.evaluation import Validator
+from distlm.training.evaluation import Validator
 from distlm.train import main
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 from test_ddp import common_args
 
 

@@ -39,13 +39,14 @@ import distlm  # noqa: E402
 from distlm.backends.xla import XlaBackend  # noqa: E402
 from distlm.config import parse_args  # noqa: E402
 from distlm.data.indexed_dataset import write_indexed_dataset  # noqa: E402
-from distlm.env import single_process_env  # noqa: E402
-from distlm.memory import memory_report  # noqa: E402
+from distlm.launch.cluster_env import single_process_env  # noqa: E402
+from distlm.launch.detect import detect_launch
+from distlm.training.memory import memory_report  # noqa: E402
 from distlm.models import build_model  # noqa: E402
 from distlm.optim import AdamWSettings, build_optimizer  # noqa: E402
 from distlm.parallel.ddp import apply_ddp  # noqa: E402
 from distlm.parallel.zero1 import Zero1Optimizer  # noqa: E402
-from distlm.trainer import Trainer  # noqa: E402
+from distlm.training.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
@@ -97,7 +98,7 @@ REFERENCE = textwrap.dedent(
     import torch
     from distlm.config import parse_args
     from distlm.models import build_model
-    from distlm.trainer import Trainer
+    from distlm.training.trainer import Trainer
 
     args, initial, vocab_size, updates, out = json.loads(sys.argv[1])
     model = build_model("llama_tiny", vocab_size=vocab_size)
@@ -260,9 +261,8 @@ JOIN = textwrap.dedent(
     import sys
     from distlm.backends import DistributedInitError
     from distlm.backends.xla import XlaBackend
-    from distlm.env import ClusterEnv
-
-    env = ClusterEnv.detect()
+    
+    env = detect_launch()
     try:
         XlaBackend().init_process_group(env, datetime.timedelta(seconds=60))
     except DistributedInitError as err:
@@ -291,7 +291,7 @@ VALIDATE = textwrap.dedent(
     import torch
     from distlm.config import parse_args
     from distlm.models import build_model
-    from distlm.trainer import Trainer
+    from distlm.training.trainer import Trainer
 
     args, initial, vocab_size, out = json.loads(sys.argv[1])
     model = build_model("llama_tiny", vocab_size=vocab_size)

@@ -4,7 +4,7 @@ Each job trains 5 updates of the same global batch on real gloo processes and th
 compares with a single-process AdamW reference computed here. One spawned job checks
 several things at once (parity, replicas, sharding, memory, checkpoint round trip), to
 keep the process count low on a 2-core machine. Checkpoints go through the sharded path
-the Checkpointer uses (distlm/checkpoint/state.py with torch.distributed.checkpoint):
+the Checkpointer uses (distlm/checkpoint/stateful.py with torch.distributed.checkpoint):
 each rank writes and reads only the partition it holds.
 """
 
@@ -129,14 +129,14 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """What the Checkpointer saves of model and optimizer: each rank its own shards (collective)."""
-    from distlm.checkpoint.state import model_state, optimizer_state
+    from distlm.checkpoint.stateful import model_state, optimizer_state
 
     dcp.save({"model": model_state(model), "optimizer": optimizer_state(model, optimizer)}, checkpoint_id=path)
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
     """What the Checkpointer loads: each rank reads the slices of its own shards (collective)."""
-    from distlm.checkpoint.state import load_model_state, model_state, optimizer_state_to_load
+    from distlm.checkpoint.stateful import load_model_state, model_state, optimizer_state_to_load
 
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     state = {"model": model_state(model), "optimizer": optimizer_state_to_load(model, optimizer, saved)}
@@ -162,7 +162,7 @@ def _zero1_job(archs: list[str], save_dir: str) -> dict:
 
 
 def _zero1_run(arch: str, save_path: str) -> dict:
-    from distlm.memory import memory_report, optimizer_state_bytes
+    from distlm.training.memory import memory_report, optimizer_state_bytes
     from distlm.parallel.ddp import apply_ddp
     from distlm.parallel.zero1 import Zero1Optimizer, build_zero1_optimizer
 
@@ -247,7 +247,7 @@ def _zero1_fp16_run(path: str) -> dict:
 def _zero1_frozen_checkpoint_run(save_dir: str) -> dict:
     """A frozen parameter (here the first, the token embedding) has no optimizer state and no
     ZeRO-1 index: the checkpoint must still key every Adam moment by its own parameter's name."""
-    from distlm.checkpoint.state import model_state, optimizer_state, optimizer_state_to_load
+    from distlm.checkpoint.stateful import model_state, optimizer_state, optimizer_state_to_load
     from distlm.parallel.ddp import apply_ddp
     from distlm.parallel.zero1 import build_zero1_optimizer
 
@@ -317,7 +317,7 @@ def _check_two_ranks(arch: str, ranks: list[dict], checkpoint_path: str) -> None
     held = [8 * sum(numel[name] for name in own) + 4 * len(own) for own in owned]
     for result, expected_bytes in zip(ranks, held):
         assert result["state_bytes"] == expected_bytes
-        assert result["memory"]["optimizer_bytes"] == expected_bytes  # distlm.memory agrees
+        assert result["memory"]["optimizer_bytes"] == expected_bytes  # distlm.training.memory agrees
     assert sum(held) == 8 * psi + 4 * len(numel)  # together: exactly one plain AdamW state
     # The ZeRO paper's 8Ψ/N assumes an even split; torch partitions whole tensors, largest
     # first, each to the least-loaded rank. The rank that ends largest received its last
@@ -393,7 +393,7 @@ def _tp_zero1_job(arch: str, save_path: str) -> dict:
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from distlm.memory import memory_report, optimizer_state_bytes
+    from distlm.training.memory import memory_report, optimizer_state_bytes
     from distlm.parallel.zero1 import Zero1Optimizer, build_zero1_optimizer
 
     dist.init_process_group("gloo")

@@ -17,7 +17,8 @@ import torch
 
 from distlm.backends.base import Backend
 from distlm.backends.efa import configure_network
-from distlm.env import ClusterEnv, device_index
+from distlm.launch.cluster_env import ClusterEnv
+from distlm.launch.devices import device_index
 
 
 class AcceleratorBackend(Backend):

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from distlm.choices import NETWORKS, PRECISIONS
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError, first_line
-from distlm.attempt_store import StoreWaitTimeout, join_attempt
-from distlm.master_probe import check_master_answers
+from distlm.backends.attempt_store import StoreWaitTimeout, join_attempt
+from distlm.backends.master_probe import check_master_answers
 from distlm.precision import computes_in_fp16
 
 
@@ -76,13 +76,13 @@ def create_store(
 
     Rank 0 serves a TCPStore at the master address. Under torchrun, whose agent already
     serves one there, rank 0 serves its own on a port the OS picks and announces it in
-    the agent's (distlm/attempt_store.py says why: the agent's store outlives restarts).
+    the agent's (distlm/backends/attempt_store.py says why: the agent's store outlives restarts).
     """
     environ = os.environ if environ is None else environ
     if env.master_addr is None:
         raise UsageError(
             f"launcher {env.launcher} gives no master address: export MASTER_ADDR and MASTER_PORT, "
-            "or call distlm.env.resolve_master_via_mpi() first (needs mpi4py)"
+            "or call distlm.launch.mpi.resolve_master_via_mpi() first (needs mpi4py)"
         )
     port = env.master_port
     if port is None:

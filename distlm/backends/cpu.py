@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from distlm.backends.base import Backend
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from distlm.backends.base import Backend, describe_init_failure, module_importable, refuse_fp16
 from distlm.backends.efa import configure_network
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
 
 TORCH_XLA_HINT = (

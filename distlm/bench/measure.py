@@ -33,9 +33,9 @@ from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
-from distlm.parallel.names import unwrap
+from distlm.state.names import unwrap
 from distlm.precision import dtype_name, precision_flags
-from distlm.trainer import Trainer
+from distlm.training.trainer import Trainer
 
 # The suite drives a fixed number of updates and never stops on its own, validates or logs.
 _NEVER = 10**9
@@ -224,7 +224,7 @@ class StrategyTimes:
     compute_step_s: list[float]
     compute_optimizer_s: list[float]
     memory: list[dict[str, int]]
-    """``distlm.memory.memory_report`` of every rank after an update, in rank order."""
+    """``distlm.training.memory.memory_report`` of every rank after an update, in rank order."""
     device: str
     ranks_per_node: int
     optimizer_plain_s: list[float] = field(default_factory=list)

@@ -52,12 +52,13 @@ from distlm.bench import plots, results
 from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch, rotated
 from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
 from distlm.choices import COMM_HOOKS, DEVICES, PP_SCHEDULES, STRATEGIES
-from distlm.distributed import shutdown
-from distlm.env import ClusterEnv
+from distlm.runtime.context import shutdown
+from distlm.launch.cluster_env import ClusterEnv
+from distlm.launch.detect import detect_launch
 from distlm.precision import DTYPES
 from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
-from distlm.run_record import run_json, write_run_json
-from distlm.validation import validate
+from distlm.observe.run_record import run_json, write_run_json
+from distlm.training.validation import validate
 
 
 
@@ -586,7 +587,7 @@ def main(argv: Sequence[str]) -> int:
     rank = rank_from_environment()
     try:
         args = parse_args(argv)
-        env = ClusterEnv.detect()
+        env = detect_launch()
         rank = env.rank
         out_dir = Path(args.out)
         in_place = env.launcher != "single"

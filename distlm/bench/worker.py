@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.bench.measure import LaunchSpec, measure_launch
-from distlm.distributed import shutdown
+from distlm.runtime.context import shutdown
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 
 PROGRESS_PREFIX = "distlm.bench| "

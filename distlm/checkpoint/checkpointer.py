@@ -32,15 +32,15 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distlm.agreement import data_files
+from distlm.runtime.agreement import data_files
 from distlm.checkpoint import compare, directory, integrity, legacy, shared_dir, storage
 from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.lock import SaveDirLock
-from distlm.checkpoint.state import ModelState, OptimizerState, RNGState, load_full_optimizer_state
+from distlm.checkpoint.stateful import ModelState, OptimizerState, RNGState, load_full_optimizer_state
 from distlm.config import CheckpointConfig
-from distlm.distributed import DistContext, describe_layout
+from distlm.runtime.context import DistContext, describe_layout
 from distlm.errors import UsageError
-from distlm.parallel.full_state import load_full_state_dict
+from distlm.state.full import load_full_state_dict
 
 logger = logging.getLogger("distlm")
 

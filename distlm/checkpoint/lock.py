@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from distlm.env import boot_id as _boot_id  # this boot of this machine, shared with the hosts check
+from distlm.launch.hosts import boot_id as _boot_id  # this boot of this machine, shared with the hosts check
 from distlm.errors import UsageError
 
 logger = logging.getLogger("distlm")

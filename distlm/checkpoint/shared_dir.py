@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from distlm.rank_text import ranks_by_value, who
+from distlm.errors import ranks_by_value, who
 
 PROBE_PREFIX = ".distlm-doctor-"
 # A shared file system may take a moment to show a file another host just closed

@@ -11,7 +11,7 @@ import torch
 from distlm.data.masking import IGNORE_INDEX
 from distlm.data.sampler import GlobalBatchSampler, TokenBudgetSampler
 from distlm.errors import UsageError
-from distlm.signals import ignore_stop_signals
+from distlm.runtime.signals import ignore_stop_signals
 
 logger = logging.getLogger("distlm")
 Sampler = GlobalBatchSampler | TokenBudgetSampler

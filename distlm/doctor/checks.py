@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from distlm.config import TrainConfig
 from distlm.backends.base import DistributedInitError
-from distlm.distributed import init_distributed
+from distlm.training.startup import start_run
 from distlm.doctor import allreduce, devices, efa, launcher, save_dir
 from distlm.doctor.channel import RankChannel, StepFailed
 from distlm.doctor.report import FAIL, SKIP, Row, count, exit_status, render_json, render_table
@@ -91,11 +91,11 @@ def run_doctor(options: Any, config: TrainConfig, cluster: Any, launcher_rank: i
     when the process group never started.
     """
 
-    # Before init_distributed: the backend's network preset adds variables, and the
+    # Before start_run: the backend's network preset adds variables, and the
     # efa variables row tells those apart from the user's own.
     environ_before = dict(os.environ)
     try:
-        context = init_distributed(config)
+        context = start_run(config, agree=False).context
     except DistributedInitError as err:
         rows = [Row(RENDEZVOUS, FAIL, str(err))]
         if launcher_rank == 0:

@@ -13,10 +13,16 @@ from typing import NoReturn, Sequence
 from distlm.backends import resolve_device
 from distlm.backends.hardware import instance_type
 from distlm.config import TrainConfig, default_save_dir, parse_args
-from distlm.distributed import shutdown
+from distlm.runtime.context import shutdown
 from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
-from distlm.errors import OneLineErrorParser, UsageError, exit_without_teardown, rank_from_environment, report_usage_error
+from distlm.errors import (
+    OneLineErrorParser,
+    UsageError,
+    exit_without_teardown,
+    rank_from_environment,
+    report_usage_error,
+)
 from distlm.plan import available_clusters, load_cluster
 
 ENV_CLUSTER = "DISTLM_CLUSTER"

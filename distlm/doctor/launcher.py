@@ -10,7 +10,7 @@ import torch
 
 from distlm.doctor.channel import RankChannel
 from distlm.doctor.report import FAIL, PASS, Row, count, format_ranks, ranks_by_value, who
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
 
 NAME = "launcher"
 

@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from distlm.rank_text import count, format_ranks, ranks_by_value, who
+from distlm.errors import count, format_ranks, ranks_by_value, who
 
-# The checks name ranks and hosts with distlm.rank_text's helpers, which training's messages share.
+# The checks name ranks and hosts with distlm.errors's helpers, which training's messages share.
 __all__ = ["FAIL", "PASS", "SKIP", "WARN", "Row", "count", "exit_status", "format_ranks", "ranks_by_value",
            "render_json", "render_table", "who"]
 

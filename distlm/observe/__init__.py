@@ -1,5 +1,7 @@
-"""Seeing inside a run: trackers, --log-file, the profiler window and straggler statistics."""
+"""Seeing inside a run: rank 0's lines (printer.py, log_lines.py), trackers, --log-file, the
+profiler window, straggler statistics and run.json; observer.py ties them to the loop.
 
-from distlm.observe.observer import Observer, check_observe_settings, start_log_file, stop_log_file
-
-__all__ = ["Observer", "check_observe_settings", "start_log_file", "stop_log_file"]
+Layer: needs only the bare distributed context. It may import distlm's core (errors, choices,
+config), ``distlm.runtime`` and ``distlm.backends.hardware``; never models, parallel, data,
+checkpoint or training.
+"""

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from distlm.metrics import significant
+from distlm.observe.printer import significant
 from distlm.parallel.comm_hooks import all_gather_tensor
 
 logger = logging.getLogger("distlm")

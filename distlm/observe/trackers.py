@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from distlm.config import LoggingConfig, TrainConfig, valid_subsets
 from distlm.errors import UsageError, first_line
-from distlm.signals import StoppedBeforeTraining, StopSignals
+from distlm.runtime.signals import StoppedBeforeTraining, StopSignals
 
 logger = logging.getLogger("distlm")
 

@@ -108,7 +108,7 @@ class ExpertParallelDispatch:
 class ExpertGradients:
     """The experts' gradients made those of one process: summed over the ranks holding the same
     experts (``ep_replica`` group) and divided by the data-parallel degree, since each rank's
-    loss was scaled by it for the average the dense parameters take (distlm/train_step.py).
+    loss was scaled by it for the average the dense parameters take (distlm/training/step.py).
     Called once an update, after the last micro-batch's backward."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, dp: int) -> None:

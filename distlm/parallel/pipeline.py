@@ -39,12 +39,12 @@ from torch.nn.parallel import DistributedDataParallel
 from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, pp_microbatches
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
-from distlm.loss import summed_token_loss
+from distlm.models.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
 from distlm.models.moe import moe_layers
 from distlm.parallel.handle import DataParallelHandle
-from distlm.parallel.names import single_device_name
+from distlm.state.names import single_device_name
 from distlm.parallel.ddp import apply_ddp
 from distlm.parallel.expert import apply_moe, expert_parameters, routing_over_stages
 from distlm.parallel.fsdp import fsdp_dtypes

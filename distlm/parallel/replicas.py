@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distlm.mesh import ParallelDims
-from distlm.parallel.names import parameter_names
+from distlm.state.names import parameter_names
 from distlm.parallel.tp import HEADS_MESH_DIMS
 
 
@@ -27,7 +27,7 @@ def check_replicas(model: nn.Module, ctx, update: int) -> None:
 
     A drift is seen only inside the group holding it; every rank must stop together, or
     the others would wait for it in the next collective until the timeout. ``ctx`` is
-    the run's ``distlm.distributed.DistContext``.
+    the run's ``distlm.runtime.context.DistContext``.
     """
     drift = first_replica_drift(model, ctx.dims, ctx.device.type)
     if ctx.any_rank(drift is not None) and drift is None:

@@ -20,7 +20,7 @@ optimizer, state bookkeeping), with three changes:
   ``implicit_replication`` (torch's foreach AdamW otherwise refuses mixed lists).
 - ``optimizer.state`` is this rank's shard (the local optimizer's state), so memory
   accounting from ``optimizer.state`` counts what the rank really holds. Checkpoints
-  save and load that shard in place, under parameter names (distlm/checkpoint/state.py):
+  save and load that shard in place, under parameter names (distlm/checkpoint/stateful.py):
   nothing is gathered, and they move freely between zero1, ddp and other world sizes.
 
 ``overlap_with_ddp`` is not used: it hangs on gloo, and all it could hide behind
@@ -48,7 +48,7 @@ with warnings.catch_warnings():
 from torch.distributed.tensor import DTensor
 
 from distlm.optim import AdamWSettings, Fp32StateAdamW, adamw_kernel, build_optimizer
-from distlm.parallel.names import local_shard
+from distlm.state.names import local_shard
 
 try:  # public since torch 2.5 under this name
     from torch.distributed.tensor.experimental import implicit_replication

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.backends.hardware import host_cores
-from distlm.builder import resolve_model_spec
+from distlm.training.builder import resolve_model_spec
 from distlm.config import OneLineErrorParser, parse_args as parse_train_args
-from distlm.env import ClusterEnv
+from distlm.launch.cluster_env import ClusterEnv
+from distlm.launch.detect import detect_launch
 from distlm.errors import UsageError, rank_from_environment, report_usage_error
 from distlm.parity import compare
 from distlm.parity.layouts import Layout, check_layout, parse_layout
@@ -255,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for layout in args.layouts:
             check_layout(layout, flags)
             global_micro_batch(flags, layout)  # refuses a reference no one process can be
-        env = ClusterEnv.detect()
+        env = detect_launch()
         if env.launcher == "single":
             check_rank_limit(args.layouts, args.max_ranks)
         else:

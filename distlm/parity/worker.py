@@ -30,12 +30,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from distlm.config import TrainConfig, parse_args
-from distlm.distributed import shutdown
+from distlm.runtime.context import shutdown
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.models.contract import model_blocks
-from distlm.parallel.full_state import full_state_dict
-from distlm.parallel.names import parameter_names, single_device_name, unwrap
-from distlm.trainer import Trainer
+from distlm.state.full import full_state_dict
+from distlm.state.names import parameter_names, single_device_name, unwrap
+from distlm.training.trainer import Trainer
 
 ERROR_PREFIX = "distlm.parity: error: "
 PERTURB_VARIABLE = "DISTLM_PARITY_PERTURB"

@@ -66,11 +66,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import (COLLECTIVES, PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, PROFILE_DEVICE_TYPES,
-                            comm_hook_wire_dtype, pp_microbatches)
+from distlm.choices import (
+    COLLECTIVES,
+    PP_LOOPED_SCHEDULES,
+    PP_ZERO_BUBBLE_SCHEDULES,
+    PROFILE_DEVICE_TYPES,
+    comm_hook_wire_dtype,
+    pp_microbatches,
+)
 from distlm.config import check_shared_settings
 from distlm.errors import UsageError
-from distlm.memory import ZERO_STAGES, zero_formula_bytes
+from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
 from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
