@@ -1,7 +1,8 @@
 """Checkpoints: sharded save and load of Stateful objects for any layout, atomic directories, checksums,
 one owner per save dir, safe offline reading."""
 
-from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError, Resume, TrainProgress, training_states
+from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError, Resume
+from distlm.checkpoint.stateful import TrainProgress, seed_dropout, training_states
 from distlm.checkpoint.directory import BEST, LAST, TOKENIZER_DIR, epoch_name, numbered
 from distlm.checkpoint.reader import CheckpointReader, load, resolve
 
@@ -18,5 +19,6 @@ __all__ = [
     "load",
     "numbered",
     "resolve",
+    "seed_dropout",
     "training_states",
 ]

@@ -11,7 +11,6 @@ best validation). See directory.py for how a checkpoint appears atomically.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -28,7 +27,6 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -36,7 +34,8 @@ from distlm.runtime.agreement import data_files
 from distlm.checkpoint import compare, directory, integrity, legacy, shared_dir, storage
 from distlm.checkpoint import meta as meta_file
 from distlm.checkpoint.lock import SaveDirLock
-from distlm.checkpoint.stateful import ModelState, OptimizerState, RNGState, load_full_optimizer_state
+from distlm.checkpoint.stateful import (MODEL, OPTIMIZER, PROGRESS, RNG, SCALER, ModelState, OptimizerState, RNGState,
+                                        TrainProgress, load_full_optimizer_state, seed_dropout)
 from distlm.config import CheckpointConfig
 from distlm.runtime.context import DistContext, describe_layout
 from distlm.errors import UsageError
@@ -44,49 +43,12 @@ from distlm.state.full import load_full_state_dict
 
 logger = logging.getLogger("distlm")
 
-# The names of the training state in a checkpoint. Any other Stateful registered beside
-# them is saved and resumed the same way: tensors in the shards under its name, a state
-# without tensors in distlm.json under its name.
-MODEL, OPTIMIZER, SCALER, PROGRESS, RNG = "model", "optimizer", "scaler", "progress", "rng"
-
 class CheckpointError(UsageError, RuntimeError):
     """Saving failed (a full disk, a write error); the message names the path, and the previous checkpoint is intact.
 
     A ``UsageError``, so the command line ends with that one line and exit status 2: what
     fixes it (space, permissions, the file system) is the user's.
     """
-
-
-@dataclass
-class TrainProgress:
-    """Where training stands; saved in every checkpoint."""
-
-    num_updates: int = 0
-    consumed_samples: int = 0
-    best: float | None = None
-    """Best validation value so far (``--best-checkpoint-metric``)."""
-    validations_without_improvement: int = 0
-    train_wall: float = 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Take the progress a checkpoint recorded. Keys this version does not keep are
-        dropped: ``lr_schedule_start``, written by earlier versions, is one (the schedule
-        follows the update count)."""
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, saved.get(field.name, field.default))
-
-
-def training_states(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, progress: TrainProgress,
-                    rank: int) -> dict[str, Stateful]:
-    """The Stateful objects of a training run, by their names in the checkpoint."""
-    states: dict[str, Stateful] = {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, optimizer),
-                                   PROGRESS: progress, RNG: RNGState(rank)}
-    if scaler is not None:
-        states[SCALER] = scaler
-    return states
 
 
 @dataclass(frozen=True)
@@ -282,7 +244,7 @@ class Checkpointer:
             # A rank's saved stream belongs to its old place in the layout: restored on a new
             # one, two tp ranks of one replica could draw different dropout masks (and two
             # replicas the same). Reseed by data-parallel rank, as a fresh run seeds.
-            torch.manual_seed(seed * 1000 + self.ctx.dp_rank + 7919 * progress.num_updates)
+            seed_dropout(seed, self.ctx.dp_rank, progress.num_updates)
             if not weights_only:
                 logger.info(
                     "layout changed (world %s, %s -> world %d, %s): dropout RNG reseeded by data-parallel rank",

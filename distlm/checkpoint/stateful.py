@@ -16,19 +16,31 @@ The model's state comes from torch's ``get_model_state_dict``/``set_model_state_
 The optimizer's does not: torch's ``get_optimizer_state_dict`` keys it
 ``optimizer.state.<name>.<field>`` and cannot read ZeRO-1's partitions, so the names
 above are kept by distlm's own functions.
+
+``training_states`` names the Stateful objects of a training run (model, optimizer, loss
+scaler, ``TrainProgress``, RNG); ``seed_dropout`` is the one rule that seeds dropout when no
+saved RNG state applies.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from distlm.optim import init_optimizer_state
 from distlm.state.names import parameter_names
+
+# The names of the training state in a checkpoint. Any other Stateful registered beside
+# them is saved and resumed the same way: tensors in the shards under its name, a state
+# without tensors in distlm.json under its name.
+MODEL, OPTIMIZER, SCALER, PROGRESS, RNG = "model", "optimizer", "scaler", "progress", "rng"
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -58,7 +70,8 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         for param in group["params"]:
             entry = holder.state.get(param)
             if entry:
-                state[name_of[id(param)]] = {key: value for key, value in entry.items() if isinstance(value, torch.Tensor)}
+                state[name_of[id(param)]] = {key: value for key, value in entry.items()
+                                             if isinstance(value, torch.Tensor)}
     return state
 
 
@@ -190,3 +203,47 @@ class RNGState:
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         restore_rng(state[self.key])
+
+
+def seed_dropout(seed: int, dp_rank: int, num_updates: int = 0) -> None:
+    """Seed this rank's generators for dropout where no saved RNG state applies: a fresh run,
+    or a resume whose saved streams belong to another layout.
+
+    By data-parallel rank, not by rank: dropout differs per data-parallel replica, yet
+    reproducibly, and the tensor-parallel ranks of one replica must draw the same masks in
+    their replicated regions. A resume at update ``num_updates`` mixes the count in, so the
+    masks after it are not those the run already drew from its first update.
+    """
+    torch.manual_seed(seed * 1000 + dp_rank + 7919 * num_updates)
+
+
+@dataclass
+class TrainProgress:
+    """Where training stands; saved in every checkpoint."""
+
+    num_updates: int = 0
+    consumed_samples: int = 0
+    best: float | None = None
+    """Best validation value so far (``--best-checkpoint-metric``)."""
+    validations_without_improvement: int = 0
+    train_wall: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take the progress a checkpoint recorded. Keys this version does not keep are
+        dropped: ``lr_schedule_start``, written by earlier versions, is one (the schedule
+        follows the update count)."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, saved.get(field.name, field.default))
+
+
+def training_states(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, progress: TrainProgress,
+                    rank: int) -> dict[str, Stateful]:
+    """The Stateful objects of a training run, by their names in the checkpoint."""
+    states: dict[str, Stateful] = {MODEL: ModelState(model), OPTIMIZER: OptimizerState(model, optimizer),
+                                   PROGRESS: progress, RNG: RNGState(rank)}
+    if scaler is not None:
+        states[SCALER] = scaler
+    return states

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.runtime.agreement import check_ranks_agree
 from distlm.training.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
-from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
+from distlm.checkpoint import BEST, Checkpointer, TrainProgress, seed_dropout, training_states
 from distlm.training.precompile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import SharedScan, load_split
@@ -132,7 +132,7 @@ class Trainer:
         else:
             # Dropout differs per data-parallel replica, yet reproducibly; the tensor-parallel
             # ranks of one replica must draw the same masks in their replicated regions.
-            torch.manual_seed(config.seed * 1000 + self.ctx.dp_rank)
+            seed_dropout(config.seed, self.ctx.dp_rank)
 
     # ----------------------------------------------------------------------- loop
 
