@@ -523,7 +523,7 @@ RESTART_WORKER = textwrap.dedent('''
     from pathlib import Path
 
     import torch.distributed.checkpoint.filesystem as dcp_files
-    from distlm.checkpoint.checkpointer import Checkpointer
+    from distlm.checkpoint.saving import CheckpointSaver
     from distlm.train import run
 
     attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
@@ -533,12 +533,12 @@ RESTART_WORKER = textwrap.dedent('''
         (notes / f"attempt{attempt}").write_text(note)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    commit = Checkpointer._commit
+    commit = CheckpointSaver._commit
     def commit_then_die(self, names, meta, *hashed):
         commit(self, names, meta, *hashed)
         if attempt == 0 and rank == 1 and "checkpoint_2" in names:
             die(json.dumps(sorted(os.listdir(self.save_dir))))
-    Checkpointer._commit = commit_then_die
+    CheckpointSaver._commit = commit_then_die
 
     write_data = dcp_files._FileSystemWriter.write_data
     def write_then_die(self, plan, planner):

@@ -39,7 +39,7 @@ from distlm.backends import attempt_store
 from distlm.backends import DistributedTimeout
 from distlm.backends.base import create_store
 from distlm.checkpoint import integrity
-from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError
+from distlm.checkpoint import Checkpointer, CheckpointError
 from distlm.checkpoint.lock import GUARD_FILE
 from distlm.config import parse_args
 from distlm.launch.cluster_env import ClusterEnv
@@ -323,15 +323,15 @@ RUN_TIMEOUT = 240
 # Node 1's worker of the first attempt dies (SIGKILL) right after checkpoint_4 is committed.
 DIE_AFTER_SAVE = textwrap.dedent(f'''
     import os, signal
-    from distlm.checkpoint.checkpointer import Checkpointer
+    from distlm.checkpoint.saving import CheckpointSaver
     from distlm.train import run
 
-    commit = Checkpointer._commit
+    commit = CheckpointSaver._commit
     def commit_then_die(self, names, meta, *hashed):
         commit(self, names, meta, *hashed)
         if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" and "checkpoint_{SAVE_EVERY}" in names:
             os.kill(os.getpid(), signal.SIGKILL)
-    Checkpointer._commit = commit_then_die
+    CheckpointSaver._commit = commit_then_die
     run()
 ''')
 

@@ -1,7 +1,9 @@
 """Checkpoints: sharded save and load of Stateful objects for any layout, atomic directories, checksums,
 one owner per save dir, safe offline reading."""
 
-from distlm.checkpoint.checkpointer import Checkpointer, CheckpointError, Resume
+from distlm.checkpoint.checkpointer import Checkpointer
+from distlm.checkpoint.failures import CheckpointError
+from distlm.checkpoint.resume import Resume
 from distlm.checkpoint.stateful import TrainProgress, seed_dropout, training_states
 from distlm.checkpoint.directory import BEST, LAST, TOKENIZER_DIR, epoch_name, numbered
 from distlm.checkpoint.reader import CheckpointReader, load, resolve

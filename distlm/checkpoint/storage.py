@@ -82,8 +82,10 @@ def read_metadata(path: Path) -> Metadata:
         raise UsageError(f"{file} is not DCP metadata; the checkpoint is damaged")
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            raise UsageError(f"{file} names a shard {name!r} outside the checkpoint directory; the checkpoint is damaged")
+        if (not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name
+                or name in ("", ".", "..")):
+            raise UsageError(f"{file} names a shard {name!r} outside the checkpoint directory; "
+                             "the checkpoint is damaged")
     return metadata
 
 
@@ -171,6 +173,14 @@ def no_pickle_protocol_warning() -> Iterator[None]:
     is refused in distlm's one line, and what loads is checked data."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process when no process group exists; that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
         yield
 
 
