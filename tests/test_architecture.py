@@ -13,7 +13,8 @@ import torch
 import distlm
 from distlm import choices
 from distlm.backends.registry import BACKENDS
-from distlm.config import ROPE_SCALING_TYPES, build_parser, parse_args
+from distlm.config import build_parser, parse_args
+from distlm.models.llama import ROPE_SCALING_TYPES
 from distlm.errors import UsageError
 from distlm.training.memory import ZERO_STAGES
 from distlm.parallel.pipeline import SCHEDULES
@@ -59,7 +60,7 @@ _TABLES = {
     "distlm/backends/registry.py": {"BACKENDS"},
     "distlm/precision.py": {"DTYPES", "MODE_DTYPES"},
     "distlm/backends/hardware.py": {"PEAK_TFLOPS"},
-    "distlm/config.py": {"ROPE_SCALING_TYPES"},
+    "distlm/models/llama/__init__.py": {"ROPE_SCALING_TYPES"},
     "distlm/training/memory.py": {"ZERO_STAGES"},
     "distlm/parallel/pipeline.py": {"SCHEDULES"},
 }
@@ -348,3 +349,41 @@ def test_a_start_resolves_the_model_once(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "resolve_model_spec", counted)
     trainer = Trainer(parse_args(common_args(data_dir, str(tmp_path)) + ["--disable-validation"]))
     assert calls == ["roberta_tiny"] and trainer.spec.name == "roberta_tiny"
+
+
+# Where a family's or a task's name may be compared: the family's own folder and the records
+# that define the names; and the data pipeline, where each task's inputs are made (fairseq's
+# masked_lm and language_modeling data differ). Everywhere else asks the family's record.
+_NAMES_AT_HOME = ("distlm/models/family.py", "distlm/choices.py", "distlm/data/")
+
+
+def family_and_task_branches(sources: dict[str, str] | None = None) -> list[str]:
+    """``path:line`` of every comparison (``==``, ``!=``, ``in``, ``not in``) of a value with a
+    family's name, a Hugging Face model_type distlm converts or a task's name, outside their
+    homes (``sources``: path -> text; default every module of distlm)."""
+    from distlm.models import registry
+    from distlm.models.hf import ADAPTERS
+
+    family_dirs = tuple(f"distlm/{package.removeprefix('distlm.').replace('.', '/')}/"
+                        for package in registry.FAMILY_PACKAGES)
+    names = set(registry.families()) | set(ADAPTERS) | set(choices.TASKS)
+    if sources is None:
+        sources = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    found = []
+    for path, text in sources.items():
+        if path.startswith(family_dirs + _NAMES_AT_HOME):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in [node.left, *node.comparators]:
+                items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+                    found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_family_or_task_name_is_branched_on_outside_its_home():
+    assert family_and_task_branches() == []
+    planted = 'def head_tokens(s, fraction):\n    return fraction if s.family == "roberta" else 1.0\n'
+    assert family_and_task_branches({"distlm/plan/example.py": planted}) == ["distlm/plan/example.py:2"]

@@ -42,7 +42,7 @@ from distlm.errors import UsageError
 from distlm.models.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
-from distlm.models.moe import moe_layers
+from distlm.models.moe.model import moe_layers
 from distlm.parallel.handle import DataParallelHandle
 from distlm.state.names import single_device_name
 from distlm.parallel.ddp import apply_ddp

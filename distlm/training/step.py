@@ -20,7 +20,7 @@ from distlm.data.batches import to_device
 from distlm.training.divergence import DivergenceError, first_nonfinite_gradient, locate_nonfinite
 from distlm.training.memory import memory_report
 from distlm.observe.printer import significant
-from distlm.models.moe import finish_update, set_aux_loss_weight
+from distlm.models.moe.model import finish_update, set_aux_loss_weight
 from distlm.parallel.tp import local_value
 
 logger = logging.getLogger("distlm")
@@ -51,7 +51,7 @@ def train_step(trainer, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
     factor = (ctx.dims.dp * loss_scale / global_targets.clamp(min=1)).float()
     gradient_loss_scale = handle.gradient_loss_scale(loss_scale)
     # A mixture of experts' auxiliary loss takes the weight the mean cross-entropy gets,
-    # averaged over the micro-batches (distlm/models/moe.py); a dense model has none.
+    # averaged over the micro-batches (distlm/models/moe/model.py); a dense model has none.
     # A pipeline splits each into micro-batches of its own, each routed (and its aux loss taken) apart.
     forwards = len(tensors) * (trainer.pipeline.microbatches if trainer.pipeline is not None else 1)
     set_aux_loss_weight(trainer.model, float(ctx.dims.dp * loss_scale / forwards))

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.runtime.agreement import check_ranks_agree
+from distlm.models.registry import task_of
 from distlm.training.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, training_states
 from distlm.training.precompile import CompileReport, precompile
@@ -158,7 +159,7 @@ class Trainer:
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
-            cfg.data.mask_prob if self.task == "masked_lm" else 1.0, cfg.data.document_mask), self.ctx.world_size,
+            task_of(self.task).output_fraction(cfg.data.mask_prob), cfg.data.document_mask), self.ctx.world_size,
             document_attention_flops(unwrap(self.model), cfg.data.document_mask))
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()

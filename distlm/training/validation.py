@@ -22,6 +22,7 @@ from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims, validate_ranks_per_node
 from distlm.models.contract import check_model
+from distlm.models.registry import task_of
 from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
@@ -163,7 +164,7 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 def check_document_mask(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, name: str) -> None:
     """--document-mask needs a causal LM whose forward takes ``document_ids``."""
     task = config.data.task or getattr(model, "task", None)
-    if task != "causal_lm":
+    if not task_of(task).attends_causally:
         raise UsageError(f"--document-mask is for causal_lm packing; {name} trains {task}, drop --document-mask")
     if "document_ids" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"--document-mask needs a model whose forward takes document_ids; {name}'s does not, "
