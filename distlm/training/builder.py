@@ -12,6 +12,7 @@ Otherwise every rank builds the whole model the same way (same seed, or the same
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,16 @@ class ModelSpec:
     def model_class(self) -> type[nn.Module]:
         return self.family.model_class
 
-    def build(self, vocab_size: int, padding_idx: int) -> nn.Module:
-        """The model on the meta device with ``vocab_size`` rows (``choose_vocabulary``)."""
+    def build(self, vocab_size: int, padding_idx: int, reuse: nn.Module | None = None) -> nn.Module:
+        """The model on the meta device with ``vocab_size`` rows (``choose_vocabulary``): ``reuse``
+        itself (a meta model built earlier, e.g. to validate the layout) where it has this config."""
         # A Hugging Face model keeps its own padding id; a named arch pads with the data's.
         padding = self.config.padding_idx if self.hf_dir is not None else padding_idx
+        config = dataclasses.replace(self.config, vocab_size=vocab_size, padding_idx=padding)
+        if reuse is not None and getattr(reuse, "config", None) == config:
+            return reuse
         with torch.device("meta"):
-            return self.model_class(dataclasses.replace(self.config, vocab_size=vocab_size, padding_idx=padding))
+            return self.model_class(config)
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,7 @@ def build_model_for_run(
     param_dtype: torch.dtype,
     seed: int,
     user_model: nn.Module | None = None,
+    checked: nn.Module | None = None,
     weights_from_checkpoint: bool = False,
 ) -> ModelBuild:
     """The model of the run, built for the layout (see the module docstring).
@@ -200,12 +206,15 @@ def build_model_for_run(
     ``weights_from_checkpoint``: a resumed run, whose checkpoint then loads every
     parameter (the load refuses a checkpoint that lacks one). The model is only allocated,
     each rank its own shards, and its derived buffers computed: it is neither initialised
-    from the seed, nor read from ``--init-from-hf``, nor broadcast from rank 0.
+    from the seed, nor read from ``--init-from-hf``, nor broadcast from rank 0. ``checked``: the
+    meta model validation built, which is the run's model where it has its vocabulary; the spec's
+    model class is constructed at most once more, and copies of the meta model stand for it
+    (rank 0's whole initialised copy, a pipeline stage's).
     """
     if user_model is not None:
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
         return ModelBuild(model.to(device=device, dtype=param_dtype))
-    model = spec.build(vocab_size, padding_idx)
+    model = spec.build(vocab_size, padding_idx, reuse=checked)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
     # Expert parallel splits the experts: from Hugging Face files a rank reads only its own.
@@ -222,16 +231,20 @@ def build_model_for_run(
         else:
             model = _initialised(model, device, param_dtype, seed)
         return ModelBuild(model.to(dtype=param_dtype))  # derived buffers too, as before
-    model = model.to(dtype=param_dtype)  # still meta: no memory yet
     if weights_from_checkpoint:
-        return ModelBuild(model, fill_shards=_compute_buffers)
+        return ModelBuild(model.to(dtype=param_dtype), fill_shards=_compute_buffers)  # still meta: no memory yet
     if from_hf:
-        return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
+        return ModelBuild(model.to(dtype=param_dtype),
+                          fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
+    # The whole model as built, on meta: parallelising changes ``model`` in place, and copies of
+    # this are initialised where the seed's weights are drawn (in the built dtype, then cast).
+    template = copy.deepcopy(model)
+    model = model.to(dtype=param_dtype)
 
     def whole_model(keep: Collection[str] | None = None) -> nn.Module:
         if keep is None:
-            return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
-        return _initialised_keeping(spec.build(vocab_size, padding_idx), keep, seed)
+            return _initialised(copy.deepcopy(template), torch.device("cpu"), param_dtype, seed)
+        return _initialised_keeping(copy.deepcopy(template), keep, seed)
 
     return ModelBuild(model, whole_model=whole_model)
 

@@ -25,7 +25,8 @@ def parameter_groups(s: ModelShape) -> ParameterGroups:
     dense = llama_sizes.parameter_groups(s)
     d, e = s.dim, s.moe_ffn_dim
     # The router, the stacked experts and the shared experts in place of w1 w2 w3.
-    block = llama_sizes.attention_parameters(s) + s.n_experts * d + (s.n_experts + s.n_shared_experts) * 3 * d * e + 2 * d
+    experts = s.n_experts * d + (s.n_experts + s.n_shared_experts) * 3 * d * e
+    block = llama_sizes.attention_parameters(s) + experts + 2 * d
     return ParameterGroups(embedding=dense.embedding, per_block=block, head=dense.head,
                            output_projection=dense.output_projection, blocks=s.n_layers, lookups=dense.lookups,
                            output_head=dense.output_head,
