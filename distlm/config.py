@@ -766,7 +766,7 @@ def check_settings(config: TrainConfig) -> None:
 def check_shared_settings(values: dict[str, Any]) -> None:
     """distlm.train's check of each setting on its own (choices, finite, bounds), for a tool whose
     flags keep distlm.train's names and meanings (distlm.plan); its other flags are its own to check."""
-    settings = {name for cls in SECTIONS.values() for name in get_type_hints(cls)}
+    settings = {name for cls in SECTIONS.values() for name in get_type_hints(cls)} | {"seed"}
     for name, value in values.items():
         if name in settings:
             _check_value(name, value)

@@ -54,7 +54,9 @@ from torch.distributed.tensor import DTensor, Shard
 from distlm.backends.base import probe_grouped_mm
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models.moe.model import MoEFeedForward, local_tensor, moe_layers
+from distlm.models.moe.model import MoEFeedForward, moe_layers
+from distlm.state.names import local_shard
+
 
 logger = logging.getLogger("distlm")
 
@@ -116,7 +118,7 @@ class ExpertGradients:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return
         if self.group is not None:
