@@ -296,7 +296,7 @@ class Trainer:
 
     def _state_need(self, parameters: int) -> str:
         dims = self.ctx.dims
-        return describe_state_need(parameters, dims.strategy, dims.dp, dims.tp)
+        return describe_state_need(parameters, dims.strategy, dims.dp, dims.tp, self.config.precision_mode)
 
     def _step_need(self) -> str:
         data = self.config.data
