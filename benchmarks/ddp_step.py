@@ -73,16 +73,8 @@ def mpi_transport_step(trainer: Trainer):
     model, handle = parallelize(copy.deepcopy(unwrap(trainer.model)), trainer.ctx.dims, trainer.ctx.device, options)
     optimizer = handle.build_optimizer(AdamWSettings.from_config(trainer.config.optim), torch.float32)
 
-    def step(micro_batches):
-        # The same Trainer.train_step, pointed at the MPI replica for the duration of one update.
-        saved = trainer.model, trainer.handle, trainer.optimizer
-        trainer.model, trainer.handle, trainer.optimizer = model, handle, optimizer
-        try:
-            trainer.train_step(micro_batches)
-        finally:
-            trainer.model, trainer.handle, trainer.optimizer = saved
-
-    return step
+    # The trainer's own update, pointed at the MPI replica.
+    return dataclasses.replace(trainer.update, model=model, handle=handle, optimizer=optimizer)
 
 
 def variant_step(trainer: Trainer, steps: int):

@@ -35,14 +35,14 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 if (CHECKOUT / "distlm").is_dir():
     sys.path.insert(0, str(CHECKOUT))
 
-from distlm.models.llama import (
+from distlm.models.llama.model import (
     # noqa: E402     LlamaAttention,
-    LlamaConfig,
     document_cu_seqlens,
     document_positions_and_mask,
     rotary_tables,
     varlen_unavailable,
 )
+from distlm.models.llama.config import LlamaConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from distlm.config import parse_args
     from distlm.errors import exit_without_teardown
-    from distlm.models.moe import moe_layers
+    from distlm.models.moe.model import moe_layers
     from distlm.training.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -92,22 +92,6 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 """``--moe-router``: softmax over the experts with the top-k weights renormalised (Qwen3-MoE,
 Mixtral), or sigmoid scores chosen with a balancing bias (DeepSeek-V3)."""
 
-ARCH_FAMILIES: dict[str, str] = {
-    "roberta_tiny": "roberta",
-    "roberta_base": "roberta",
-    "roberta_large": "roberta",
-    "llama_tiny": "llama",
-    "llama2_7b": "llama",
-    "llama3_8b": "llama",
-    "llama3_1_8b": "llama",
-    "qwen3_moe_tiny": "qwen3_moe",
-    "mixtral_8x7b": "qwen3_moe",
-    "qwen3_moe_30b_a3b": "qwen3_moe",
-}
-"""``--arch`` name -> its model family (the name fairseq's architecture flags and Hugging Face's
-model_type use). distlm.models.registry builds each arch from this table, and the command line
-refuses an unknown arch or another family's flag from it before torch is imported."""
-
 CHOICES: dict[str, tuple[str, ...]] = {
     "task": TASKS,
     "sample_break_mode": SAMPLE_BREAK_MODES,

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, get_type_hints
 
-from distlm.choices import ARCH_FAMILIES, CHOICES
+from distlm.choices import CHOICES
 from distlm.errors import OneLineErrorParser, UsageError, did_you_mean
+from distlm.models import registry
 
 
 @dataclass
 class ModelConfig:
     arch: str | None = None
-    """Model architecture (see distlm.models.ARCHS); default roberta_tiny, or with --init-from-hf the
+    """Model architecture (a published arch of a family in distlm/models); default roberta_tiny, or with --init-from-hf the
     Hugging Face model's own (a given --arch must then agree with it)."""
     init_from_hf: str | None = None
     """Start from a Hugging Face model directory (config.json + safetensors): its architecture and weights."""
@@ -449,52 +450,6 @@ FAIRSEQ_FIXED_VALUES = {
     "criterion": {"masked_lm": "masked_lm", "cross_entropy": "causal_lm"},
 }
 
-# fairseq's architecture flags: which family of arch each belongs to and the config field it sets.
-ARCH_FLAGS: dict[str, tuple[str, str]] = {
-    "encoder_layers": ("roberta", "n_layers"),
-    "encoder_embed_dim": ("roberta", "dim"),
-    "encoder_ffn_embed_dim": ("roberta", "ffn_dim"),
-    "encoder_attention_heads": ("roberta", "n_heads"),
-    "activation_dropout": ("roberta", "activation_dropout"),
-    "decoder_layers": ("llama", "n_layers"),
-    "decoder_embed_dim": ("llama", "dim"),
-    "decoder_ffn_embed_dim": ("llama", "ffn_dim"),
-    "decoder_attention_heads": ("llama", "n_heads"),
-    "kv_heads": ("llama", "n_kv_heads"),
-    "head_dim": ("llama", "head_size"),
-    "multiple_of": ("llama", "multiple_of"),
-    "ffn_dim_multiplier": ("llama", "ffn_dim_multiplier"),
-    "rope_theta": ("llama", "rope_theta"),
-    "rope_scaling": ("llama", "rope_type"),
-    "rope_factor": ("llama", "rope_factor"),
-    "rope_low_freq_factor": ("llama", "rope_low_freq_factor"),
-    "rope_high_freq_factor": ("llama", "rope_high_freq_factor"),
-    "rope_original_max_seq_len": ("llama", "rope_original_max_seq_len"),
-    "tie_word_embeddings": ("llama", "tie_word_embeddings"),
-    "num_experts": ("qwen3_moe", "n_experts"),
-    "moe_top_k": ("qwen3_moe", "top_k"),
-    "moe_ffn_dim": ("qwen3_moe", "moe_ffn_dim"),
-    "moe_every": ("qwen3_moe", "moe_every"),
-    "moe_shared_experts": ("qwen3_moe", "n_shared_experts"),
-    "moe_router": ("qwen3_moe", "router"),
-    "moe_aux_loss_coef": ("qwen3_moe", "aux_loss_coef"),
-    "moe_bias_update_rate": ("qwen3_moe", "bias_update_rate"),
-}
-# Families built on another family's blocks take that family's flags too.
-FLAG_FAMILIES: dict[str, tuple[str, ...]] = {"qwen3_moe": ("qwen3_moe", "llama")}
-# --rope-scaling's names (choices.ROPE_SCALINGS) for the model's rope_type.
-ROPE_SCALING_TYPES = {"none": "default", "llama3": "llama3"}
-# The arch flags whose command-line names differ from their config field's values: flag -> name -> value.
-ARCH_FLAG_VALUES: dict[str, dict[str, Any]] = {"rope_scaling": ROPE_SCALING_TYPES}
-# Settings every arch has, under the config field of each family.
-SHARED_ARCH_FLAGS: dict[str, dict[str, str]] = {
-    "dropout": {"roberta": "dropout", "llama": "dropout", "qwen3_moe": "dropout"},
-    "attention_dropout": {"roberta": "attention_dropout", "llama": "attention_dropout",
-                          "qwen3_moe": "attention_dropout"},
-    "max_positions": {"roberta": "max_positions", "llama": "max_seq_len", "qwen3_moe": "max_seq_len"},
-    "norm_eps": {"roberta": "layer_norm_eps", "llama": "norm_eps", "qwen3_moe": "norm_eps"},
-}
-
 # Allowed ranges: (lowest, highest, lowest allowed, highest allowed); None: unbounded.
 # A highest value is where a setting would stop fitting what it is handed to (float32
 # arithmetic, a C++ integer, a timedelta), or far beyond any real run.
@@ -759,35 +714,6 @@ def _apply_criterion(config: TrainConfig, criterion: str) -> None:
     config.data.task = implied
 
 
-def arch_overrides(model: ModelConfig, family: str) -> dict[str, Any]:
-    """The model settings given on the command line, as overrides of an arch's config fields.
-
-    ``family`` is ``"roberta"``, ``"llama"`` or ``"qwen3_moe"`` (which takes Llama's flags
-    too); a flag of another family is an error naming both.
-    """
-    overrides = {}
-    for name, fields in SHARED_ARCH_FLAGS.items():
-        value = getattr(model, name)
-        if value is not None:
-            overrides[fields[family]] = value
-    for name, (flag_family, field_name) in ARCH_FLAGS.items():
-        value = getattr(model, name)
-        if value is None:
-            continue
-        if flag_family not in FLAG_FAMILIES.get(family, (family,)):
-            verb = "sizes" if name.startswith(("encoder_", "decoder_")) else "belongs to"
-            raise UsageError(
-                f"--{name.replace('_', '-')} {verb} a {flag_family} model, but --arch {model.arch} is a {family} "
-                f"model; drop it or use the --{'encoder' if family == 'roberta' else 'decoder'}-* flags"
-            )
-        overrides[field_name] = ARCH_FLAG_VALUES[name][value] if name in ARCH_FLAG_VALUES else value
-    if family != "roberta" and model.decoder_attention_heads is not None and model.kv_heads is None:
-        # New query heads without --kv-heads: one key/value head per query head, never the
-        # arch's old grouping silently kept.
-        overrides["n_kv_heads"] = model.decoder_attention_heads
-    return overrides
-
-
 def check_settings(config: TrainConfig) -> None:
     """Checks of each setting on its own (no launch, no hardware); each failure names its flag.
 
@@ -801,10 +727,8 @@ def check_settings(config: TrainConfig) -> None:
     if config.model.arch is None and config.model.init_from_hf is None:
         config.model.arch = DEFAULT_ARCH
     if config.model.arch is not None:
-        # From the torch-free table, so a mistyped arch or another family's flag is refused at once.
-        if config.model.arch not in ARCH_FAMILIES:
-            raise UsageError(f"--arch {config.model.arch} is unknown; choose one of: {', '.join(ARCH_FAMILIES)}")
-        arch_overrides(config.model, ARCH_FAMILIES[config.model.arch])
+        # From the torch-free registry, so a mistyped arch or another family's flag is refused at once.
+        registry.arch_overrides(config.model)
     if config.distributed.cpu:
         if config.distributed.device not in ("auto", "cpu"):
             raise UsageError(f"--cpu means --device cpu, not --device {config.distributed.device}; drop one")
@@ -825,7 +749,8 @@ def check_settings(config: TrainConfig) -> None:
         raise UsageError("--finetune-from-model and --restore-file both name a starting checkpoint; give one")
     if config.checkpoint.load_partial and not config.checkpoint.finetune_from_model:
         raise UsageError("--load-partial applies to --finetune-from-model only; name the checkpoint to take weights from")
-    if config.data.document_mask and config.data.task == "masked_lm":
+    masked_task = config.data.task is not None and not registry.task_of(config.data.task).attends_causally
+    if config.data.document_mask and masked_task:
         raise UsageError("--document-mask is for causal_lm packing; a masked LM attends both ways, drop it")
     if config.data.document_mask and config.data.sample_break_mode == "eos":
         raise UsageError("--document-mask with --sample-break-mode eos masks nothing (one document per block); "
@@ -841,7 +766,7 @@ def check_settings(config: TrainConfig) -> None:
 def check_shared_settings(values: dict[str, Any]) -> None:
     """distlm.train's check of each setting on its own (choices, finite, bounds), for a tool whose
     flags keep distlm.train's names and meanings (distlm.plan); its other flags are its own to check."""
-    settings = {name for cls in SECTIONS.values() for name in get_type_hints(cls)}
+    settings = {name for cls in SECTIONS.values() for name in get_type_hints(cls)} | {"seed"}
     for name, value in values.items():
         if name in settings:
             _check_value(name, value)

@@ -13,7 +13,8 @@ import torch
 import distlm
 from distlm import choices
 from distlm.backends.registry import BACKENDS
-from distlm.config import ROPE_SCALING_TYPES, build_parser, parse_args
+from distlm.config import build_parser, parse_args
+from distlm.models.llama import ROPE_SCALING_TYPES
 from distlm.errors import UsageError
 from distlm.training.memory import ZERO_STAGES
 from distlm.parallel.pipeline import SCHEDULES
@@ -59,7 +60,7 @@ _TABLES = {
     "distlm/backends/registry.py": {"BACKENDS"},
     "distlm/precision.py": {"DTYPES", "MODE_DTYPES"},
     "distlm/backends/hardware.py": {"PEAK_TFLOPS"},
-    "distlm/config.py": {"ROPE_SCALING_TYPES"},
+    "distlm/models/llama/__init__.py": {"ROPE_SCALING_TYPES"},
     "distlm/training/memory.py": {"ZERO_STAGES"},
     "distlm/parallel/pipeline.py": {"SCHEDULES"},
 }
@@ -243,6 +244,73 @@ def test_import_graph_has_no_cycle_and_the_core_imports_no_tool():
     assert entry == [], "only launchers run the entry point; its helpers live in distlm.errors"
 
 
+# Each layer of distlm (a subpackage, or a module at the top) and the layers it may import when
+# loaded, lowest first, as each package's docstring says. Tools and entry points may import any
+# layer; no layer imports a tool (above) or the entry point.
+LAYERS: dict[str, set[str]] = {
+    "errors": set(), "choices": set(), "state": set(),
+    "launch": {"errors"},
+    "precision": {"errors"},
+    "layout": {"choices", "errors"},
+    # The torch-free part of models: the families' records, so that flags are checked before torch loads.
+    "config": {"choices", "errors", "layout", "models"},
+    "optim": {"config"},
+    "mesh": {"choices", "errors", "launch", "layout"},
+    "backends": {"choices", "errors", "launch", "precision"},
+    "runtime": {"backends", "config", "errors", "launch", "layout", "mesh"},
+    "data": {"choices", "config", "errors", "runtime"},
+    "models": {"choices", "data", "errors"},
+    "parallel": {"backends", "choices", "data", "errors", "layout", "mesh", "models", "optim", "precision", "runtime",
+                 "state"},
+    "checkpoint": {"config", "errors", "launch", "models", "optim", "runtime", "state"},
+    "observe": {"backends", "config", "errors", "runtime"},
+    "export": {"checkpoint", "errors", "models"},
+}
+CORE_OF_A_RUN = "training"  # imports any layer above
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def closure(graph: dict[str, set[str]], modules: list[str]) -> set[str]:
+    """Every distlm module that loading ``modules`` loads."""
+    seen, todo = set(), list(modules)
+    while todo:
+        for target in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    graph = import_graph()
+    crossings = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                       if _layer(module) in LAYERS and _layer(target) != _layer(module)
+                       and _layer(target) not in LAYERS[_layer(module)])
+    assert crossings == [], crossings
+    training = {_layer(target) for module, targets in graph.items() if _layer(module) == CORE_OF_A_RUN
+                for target in targets} - {CORE_OF_A_RUN}
+    assert training <= set(LAYERS), sorted(training - set(LAYERS))
+
+
+def test_what_needs_only_a_rank_loads_no_model_and_no_strategy():
+    """The bare context imports only the launch, the mesh, the backends and the errors; the
+    checkpoint and observe packages load neither the builder, nor Hugging Face conversion, nor
+    a strategy. The message gives each package's count of modules loaded with it."""
+    graph = import_graph()
+    packages = sorted({_layer(module) for module in graph if "." in module})
+    counts = {package: len(closure(graph, [m for m in graph if _layer(m) == package])) for package in packages}
+    context = {_layer(module) for module in closure(graph, ["distlm.runtime.context"])}
+    assert context <= {"launch", "mesh", "backends", "errors", "runtime", "choices", "precision", "layout"}, context
+    for package in ("checkpoint", "observe"):
+        loaded = closure(graph, [m for m in graph if _layer(m) == package])
+        forbidden = sorted(m for m in loaded if m == "distlm.training.builder" or
+                           m.startswith(("distlm.models.hf", "distlm.parallel")))
+        assert forbidden == [], f"{package} loads {forbidden}; modules loaded per package: {counts}"
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -348,3 +416,41 @@ def test_a_start_resolves_the_model_once(data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "resolve_model_spec", counted)
     trainer = Trainer(parse_args(common_args(data_dir, str(tmp_path)) + ["--disable-validation"]))
     assert calls == ["roberta_tiny"] and trainer.spec.name == "roberta_tiny"
+
+
+# Where a family's or a task's name may be compared: the family's own folder and the records
+# that define the names; and the data pipeline, where each task's inputs are made (fairseq's
+# masked_lm and language_modeling data differ). Everywhere else asks the family's record.
+_NAMES_AT_HOME = ("distlm/models/family.py", "distlm/choices.py", "distlm/data/")
+
+
+def family_and_task_branches(sources: dict[str, str] | None = None) -> list[str]:
+    """``path:line`` of every comparison (``==``, ``!=``, ``in``, ``not in``) of a value with a
+    family's name, a Hugging Face model_type distlm converts or a task's name, outside their
+    homes (``sources``: path -> text; default every module of distlm)."""
+    from distlm.models import registry
+    from distlm.models.hf import ADAPTERS
+
+    family_dirs = tuple(f"distlm/{package.removeprefix('distlm.').replace('.', '/')}/"
+                        for package in registry.FAMILY_PACKAGES)
+    names = set(registry.families()) | set(ADAPTERS) | set(choices.TASKS)
+    if sources is None:
+        sources = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    found = []
+    for path, text in sources.items():
+        if path.startswith(family_dirs + _NAMES_AT_HOME):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in [node.left, *node.comparators]:
+                items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(item, ast.Constant) and item.value in names for item in items):
+                    found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_family_or_task_name_is_branched_on_outside_its_home():
+    assert family_and_task_branches() == []
+    planted = 'def head_tokens(s, fraction):\n    return fraction if s.family == "roberta" else 1.0\n'
+    assert family_and_task_branches({"distlm/plan/example.py": planted}) == ["distlm/plan/example.py:2"]

@@ -19,8 +19,9 @@ from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.models.loss import ModelInputs, summed_cross_entropy
 from distlm.mesh import ParallelDims
-from distlm.models import arch_config, llama
-from distlm.models.llama import LlamaCausalLM, document_cu_seqlens, document_positions_and_mask
+from distlm.models import arch_config
+from distlm.models.llama import model as llama
+from distlm.models.llama.model import LlamaCausalLM, document_cu_seqlens, document_positions_and_mask
 from distlm.models.registry import build_model
 from distlm.training.trainer import Trainer
 from distlm.training.validation import check_model_fits

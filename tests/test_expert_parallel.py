@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from distributed import Scenarios
 from distlm.export import cli as export
 from distlm.config import parse_args
-from distlm.models.moe import moe_layers
+from distlm.models.moe.model import moe_layers
 from distlm.state.full import consolidated_parameters
 from distlm.training.trainer import Trainer
 from test_ddp import assert_params_close, common_args

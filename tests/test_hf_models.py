@@ -23,19 +23,12 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.utils.hub import convert_file_size_to_int
 
 from distlm.errors import UsageError
-from distlm.models import ARCHS, build_model
-from distlm.models.hf import (
-    SpecialTokens,
-    config_from_hf,
-    hf_tensor_specs,
-    llama as hf_llama,
-    load_hf_model,
-    roberta as hf_roberta,
-    save_hf_model,
-    tensor_loader,
-)
+from distlm.models import arch_config, build_model
+from distlm.models.hf import SpecialTokens, config_from_hf, hf_tensor_specs, load_hf_model, save_hf_model, tensor_loader
+from distlm.models.llama import hf as hf_llama
+from distlm.models.roberta import hf as hf_roberta
 from distlm.models.hf.io import SafetensorsWeights, parse_size
-from distlm.models.llama import llama3_scaled_frequencies, rotary_tables
+from distlm.models.llama.model import llama3_scaled_frequencies, rotary_tables
 
 PAD = 1
 
@@ -529,7 +522,7 @@ def test_published_archs_are_the_published_models(arch, published, published_cou
     RobertaForMaskedLM (no pooler; 124,697,433 for roberta-base, where the often-quoted
     124,645,632 is RobertaModel with its pooler and no LM head) less its token-type row,
     which distlm folds into the positions."""
-    assert resolved(config_from_hf(published)[1]) == resolved(ARCHS[arch][1])
+    assert resolved(config_from_hf(published)[1]) == resolved(arch_config(arch))
     with torch.device("meta"):
         model = build_model(arch)  # no vocabulary given: the arch's own
         if published["model_type"] == "llama":

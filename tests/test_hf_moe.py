@@ -1,4 +1,4 @@
-"""Hugging Face in and out for the mixture-of-experts family (distlm.models.hf.moe): Qwen3-MoE
+"""Hugging Face in and out for the mixture-of-experts family (distlm.models.moe.hf): Qwen3-MoE
 and Mixtral configs, weights and logits against transformers itself.
 
 As in test_hf_models.py, small random transformers models with every weight perturbed (the
@@ -22,19 +22,19 @@ from distlm.checkpoint import CheckpointReader
 from distlm.config import parse_args
 from distlm.errors import UsageError
 from distlm.export.cli import main as export_main
-from distlm.models import ARCHS, build_model
+from distlm.models import arch_config, build_model
 from distlm.models.hf import (
     SpecialTokens,
     adapter_for,
     config_from_hf,
     hf_tensor_specs,
     load_hf_model,
-    moe as hf_moe,
     save_hf_model,
     tensor_loader,
 )
+from distlm.models.moe import hf as hf_moe
 from distlm.models.hf.io import SafetensorsWeights
-from distlm.models.registry import FAMILY_CONFIGS
+from distlm.models import registry
 from test_hf_models import assert_same_state, llama_ids, perturbed, round_trip
 from test_hf_training import hf_args, initial_parameters, train_and_save
 
@@ -268,7 +268,7 @@ def test_published_archs_are_the_published_models(arch, published, hf_class, pub
     """The built-in arch equals the published config.json read by distlm, has exactly the
     parameters of transformers' model of it, and its export names and shapes are those of
     the published files."""
-    assert resolved(config_from_hf(published)[1]) == resolved(ARCHS[arch][1])
+    assert resolved(config_from_hf(published)[1]) == resolved(arch_config(arch))
     with torch.device("meta"):
         model = build_model(arch)
         reference = hf_class(hf_class.config_class.from_dict(published))
@@ -334,7 +334,7 @@ def test_a_trained_expert_parallel_checkpoint_exports_a_model_transformers_runs(
     assert export_main(["--checkpoint", str(save_dir), "--hf", str(out)]) == 0
     reader = CheckpointReader(save_dir)
     assert reader.meta["progress"]["num_updates"] == EP2_UPDATES
-    config = FAMILY_CONFIGS[reader.meta["family"]](**reader.meta["model_config"])
+    config = registry.family(reader.meta["family"]).config_class(**reader.meta["model_config"])
     model = adapter_for(config).model_class(config)
     model.load_state_dict(dict(reader.model_tensors()), strict=False)  # buffers are derived, not saved
     model.init_buffers()
@@ -359,7 +359,7 @@ def test_init_from_hf_takes_the_experts_sizes_from_config_json(qwen3_moe, data_d
     spec = resolve_model_spec(parse_args(base).model)
     assert spec.name == "hf_qwen3_moe" and spec.config.n_experts == 6
     # qwen3_moe_tiny's shape but for its 8 experts.
-    tiny = hf_moe.config_to_hf(hf_moe.QWEN3_MOE, dataclasses.replace(ARCHS["qwen3_moe_tiny"][1], vocab_size=100),
+    tiny = hf_moe.config_to_hf(hf_moe.QWEN3_MOE, dataclasses.replace(arch_config("qwen3_moe_tiny"), vocab_size=100),
                                SpecialTokens(), torch.float32)
     (tmp_path / "config.json").write_text(json.dumps({**tiny, "num_experts": 6}))
     with pytest.raises(UsageError, match="--arch qwen3_moe_tiny has n_experts=8 but --init-from-hf .* has n_experts=6"):

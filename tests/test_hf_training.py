@@ -196,7 +196,10 @@ def test_fsdp_tp2_checkpoint_exports_a_model_transformers_runs(four_rank_job):
 
 
 def _distlm_model(reader: CheckpointReader) -> torch.nn.Module:
-    from distlm.models import LlamaCausalLM, LlamaConfig, RobertaConfig, RobertaMaskedLM
+    from distlm.models.llama.config import LlamaConfig
+    from distlm.models.llama.model import LlamaCausalLM
+    from distlm.models.roberta.config import RobertaConfig
+    from distlm.models.roberta.model import RobertaMaskedLM
 
     classes = {"llama": (LlamaCausalLM, LlamaConfig), "roberta": (RobertaMaskedLM, RobertaConfig)}
     model_class, config_class = classes[reader.meta["family"]]

@@ -24,13 +24,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlm.training.builder import choose_vocabulary, resolve_model_spec
 from distlm.training.start_log import describe_shape
-from distlm.config import ARCH_FLAGS, SHARED_ARCH_FLAGS, parse_args
+from distlm.config import ModelConfig, parse_args
+from distlm.models import registry
 from distlm.data import load_lm_data, load_vocabulary
 from distlm.data.batches import with_host_facts
 from distlm.data.dictionary import MASK_SYMBOL
 from distlm.data.tokenizer import byte_dictionary, write_hf_tokenizer
 from distlm.errors import UsageError
-from distlm.models import LlamaCausalLM, LlamaConfig, RobertaConfig, build_model
+from distlm.models import build_model
+from distlm.models.llama.config import LlamaConfig
+from distlm.models.llama.model import LlamaCausalLM
+from distlm.models.roberta.config import RobertaConfig
 from distlm.models.flops import flops_per_token
 
 FAIRSEQ_RECORD = json.loads((Path(__file__).parent / "fixtures" / "fairseq_roberta_params.json").read_text())
@@ -183,8 +187,9 @@ def test_flops_per_token_match_flop_counter_on_real_batches(arch, task):
 @pytest.mark.parametrize("family, config_class", [("llama", LlamaConfig), ("roberta", RobertaConfig)])
 def test_every_model_config_field_has_a_flag(family, config_class):
     """What the Python API accepts, the command line does: each field is set by a flag of
-    its family or a shared one, except the padding id, which the data's dictionary fixes."""
-    set_by_flags = {field for flag_family, field in ARCH_FLAGS.values() if flag_family == family}
-    set_by_flags |= {fields[family] for fields in SHARED_ARCH_FLAGS.values()}
-    set_by_flags.add("vocab_size")  # --vocab-size, through choose_vocabulary
+    its family (the shared ones included), except the padding id, which the data's dictionary
+    fixes; and every flag of a family is a setting of the command line."""
+    flags = registry.family(family).flags
+    set_by_flags = set(flags.values()) | {"vocab_size"}  # --vocab-size, through choose_vocabulary
     assert set_by_flags == {f.name for f in dataclasses.fields(config_class)} - {"padding_idx"}
+    assert set(flags) <= {f.name for f in dataclasses.fields(ModelConfig)}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import distlm.models
 from distlm.errors import UsageError
-from distlm.models import ARCHS, arch_task, build_model
+from distlm.models import arch_config, arch_names, build_model, family_of_arch
 
 VOCAB = 260
 PAD = 1
@@ -39,7 +39,7 @@ def random_tokens(generator: torch.Generator, batch: int, seq_len: int) -> torch
 # Sizes
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", arch_names())
 def test_every_arch_builds_on_meta(arch):
     with torch.device("meta"):
         model = build_model(arch, vocab_size=VOCAB)
@@ -47,7 +47,7 @@ def test_every_arch_builds_on_meta(arch):
     assert isinstance(model.layers, torch.nn.ModuleList)
     assert len(model.layers) == model.config.n_layers
     assert model.max_positions > 0
-    assert arch_task(arch) in ("masked_lm", "causal_lm")
+    assert family_of_arch(arch).task.name in ("masked_lm", "causal_lm")
 
 
 @pytest.mark.parametrize(
@@ -65,8 +65,8 @@ def test_published_parameter_counts(arch, vocab, published, tolerance):
 
 
 def test_llama_ffn_hidden_sizes_match_meta_reference():
-    assert ARCHS["llama2_7b"][1].ffn_hidden_dim == 11008
-    assert ARCHS["llama3_8b"][1].ffn_hidden_dim == 14336
+    assert arch_config("llama2_7b").ffn_hidden_dim == 11008
+    assert arch_config("llama3_8b").ffn_hidden_dim == 14336
 
 
 def test_roberta_tiny_is_small_without_vocabulary():
@@ -76,7 +76,7 @@ def test_roberta_tiny_is_small_without_vocabulary():
 
 
 def test_vocabulary_comes_from_caller():
-    for arch in ARCHS:
+    for arch in arch_names():
         with torch.device("meta"):
             model = build_model(arch, vocab_size=1234)
         assert model.config.vocab_size == 1234
@@ -113,7 +113,7 @@ def test_fairseq_parameter_names():
         "lm_head.bias",
     ):
         assert name in roberta, name
-    config = ARCHS["roberta_tiny"][1]
+    config = arch_config("roberta_tiny")
     assert roberta["embed_positions.weight"].shape[0] == config.max_positions + PAD + 1
 
 
@@ -235,7 +235,7 @@ def test_roberta_extra_padding_leaves_real_positions_unchanged():
 
 
 def test_roberta_positions_follow_fairseq_offset():
-    from distlm.models.roberta import make_positions
+    from distlm.models.roberta.model import make_positions
 
     input_ids = torch.tensor([[5, 6, 7, PAD, PAD], [PAD, PAD, 8, 9, 10]])
     expected = torch.tensor([[2, 3, 4, 1, 1], [1, 1, 2, 3, 4]])
@@ -255,7 +255,7 @@ def test_llama_is_causal():
 
 
 def test_rotary_matches_complex_rotation_and_is_relative():
-    from distlm.models.llama import apply_rotary, rotary_tables
+    from distlm.models.llama.model import apply_rotary, rotary_tables
 
     head_dim, seq_len, theta = 8, 16, 10000.0
     cos, sin = rotary_tables(head_dim, seq_len, theta)
@@ -313,7 +313,7 @@ def test_overfits_a_fixed_batch(arch):
     input_ids = random_tokens(generator, 4, 16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
-    if arch_task(arch) == "masked_lm":
+    if family_of_arch(arch).task.name == "masked_lm":
         masked_tokens = torch.rand(4, 16, generator=generator) < 0.25
         masked_tokens[:, 0] = True
         corrupted = input_ids.masked_fill(masked_tokens, VOCAB - 1)
@@ -355,7 +355,7 @@ def test_unknown_arch_is_a_usage_error():
     with pytest.raises(UsageError, match="--arch gpt9 is unknown; choose one of: .*roberta_tiny"):
         build_model("gpt9", vocab_size=VOCAB)
     with pytest.raises(UsageError, match="gpt9"):
-        arch_task("gpt9")
+        family_of_arch("gpt9").task.name
 
 
 def test_unknown_or_mistyped_override_is_a_usage_error():
@@ -377,12 +377,12 @@ def test_overrides_apply():
     assert model.max_positions == 64
     assert model.config.dropout == 0.0
     # The registry's config is a template: building with overrides must not change it.
-    assert ARCHS["roberta_tiny"][1].n_layers == 4
+    assert arch_config("roberta_tiny").n_layers == 4
 
 
 def test_arch_task():
-    assert arch_task("roberta_base") == "masked_lm"
-    assert arch_task("llama3_8b") == "causal_lm"
+    assert family_of_arch("roberta_base").task.name == "masked_lm"
+    assert family_of_arch("llama3_8b").task.name == "causal_lm"
 
 
 

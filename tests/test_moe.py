@@ -22,7 +22,9 @@ from distlm.mesh import ParallelDims
 from distlm.models import arch_config, build_model
 from distlm.models.flops import count_parameter_tensors, count_parameters, flops_per_token
 from distlm.models.hf import adapter_for
-from distlm.models.moe import MoEConfig, MoEFeedForward, finish_update, moe_layers, moe_parameter_counts
+from distlm.models.moe.config import MoEConfig
+from distlm.models.moe.model import MoEFeedForward, finish_update, moe_layers
+from distlm.models.moe.sizes import parameter_counts as moe_parameter_counts
 from distlm.parallel.expert import apply_moe
 from distlm.training.start_log import describe_shape
 from distlm.training.validation import validate
@@ -150,7 +152,7 @@ def active_of(arch: str) -> int:
 
 
 def test_a_mixture_of_experts_has_no_llama_export():
-    # Its own layout (distlm/models/hf/moe.py), never Llama's, which would drop the experts.
+    # Its own layout (distlm/models/moe/hf.py), never Llama's, which would drop the experts.
     assert adapter_for(arch_config("qwen3_moe_tiny")).architecture == "Qwen3MoeForCausalLM"
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed import Scenarios
 from distlm.config import parse_args
 from distlm.errors import UsageError
-from distlm.models.moe import moe_layers
+from distlm.models.moe.model import moe_layers
 from distlm.state.names import parameter_names
 from distlm.parallel.replicas import ReplicaDrift
 from distlm.parity.__main__ import main

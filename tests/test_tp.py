@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from distributed import run_distributed
 from distlm.errors import UsageError
-from distlm.models import ARCHS, build_model
+from distlm.models import arch_names, build_model
 from distlm.models.contract import model_tp_plan
 from distlm.parallel.tp import STYLES, validate_tp
 
@@ -369,7 +369,7 @@ def test_validate_tp_names_flag_and_dimension():
     validate_tp(torch.nn.Linear(4, 4), 1)  # degree 1: tensor parallel is off
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", arch_names())
 def test_tp_plan_entries_name_real_modules_of_their_kind(arch):
     with torch.device("meta"):
         model = build_model(arch, vocab_size=VOCAB, n_layers=2)

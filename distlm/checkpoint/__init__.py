@@ -1,5 +1,10 @@
 """Checkpoints: sharded save and load of Stateful objects for any layout, atomic directories, checksums,
-one owner per save dir, safe offline reading."""
+one owner per save dir, safe offline reading.
+
+Layer: needs only the bare distributed context (``distlm.runtime``); may import distlm's core
+(errors, config, optim), ``distlm.launch``, ``distlm.state`` and the models' torch-free
+registry; never the builder, Hugging Face conversion, parallel, observe or training.
+"""
 
 from distlm.checkpoint.checkpointer import Checkpointer
 from distlm.checkpoint.failures import CheckpointError

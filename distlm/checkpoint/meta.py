@@ -14,7 +14,7 @@ from typing import Any
 
 from distlm.checkpoint import directory
 from distlm.errors import UsageError
-from distlm.models.registry import FAMILY_CONFIGS
+from distlm.models import registry
 
 FORMAT_VERSION = 2
 
@@ -53,11 +53,11 @@ def check(meta: dict[str, Any], where: Path) -> None:
 
 def _check_model_config(family: Any, model_config: Any, where: Path) -> None:
     """The model settings an export builds its config from name only settings of the family's model."""
-    if model_config is None or family not in FAMILY_CONFIGS:
+    if model_config is None or family not in registry.families():
         return
     if not isinstance(model_config, dict):
         raise UsageError(f"{where}: 'model_config' is not a table; the checkpoint is damaged")
-    known = {field.name for field in dataclasses.fields(FAMILY_CONFIGS[family])}
+    known = {field.name for field in dataclasses.fields(registry.family(family).config_class)}
     unknown = sorted(set(model_config) - known)
     if unknown:
         raise UsageError(f"{where}: model_config.{unknown[0]} is not a setting of distlm's {family} model; "

@@ -3,6 +3,9 @@
 ``python -m distlm.data`` prints the built-in corpus's figures. ``distlm.data.prepare`` is
 not imported here, so ``python -m distlm.data.prepare`` (text to training data) runs
 without runpy's double-import warning.
+
+Layer: may import distlm's core (errors, choices, config) and ``distlm.runtime`` (data
+workers ignore the stop signals); never models, parallel, checkpoint or training.
 """
 
 from distlm.data.blocks import TokenBlockDataset, compute_block_boundaries

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from distlm.choices import SAMPLE_BREAK_MODES, TASKS
-from distlm.config import TrainConfig, parse_data_sources
+from distlm.config import TrainConfig, check_shared_settings, parse_data_sources
 from distlm.data.blocks import TokenBlockDataset
 from distlm.data.corpus import ensure_builtin_corpus
 from distlm.data.dictionary import MASK_SYMBOL, Dictionary, Vocabulary
@@ -327,8 +327,7 @@ def load_lm_data(
     minimum = 2 if task == "masked_lm" else 1
     if tokens_per_sample < minimum:
         raise UsageError(f"tokens_per_sample {tokens_per_sample} must be at least {minimum} for {task}")
-    if seed < 0:
-        raise UsageError(f"seed {seed} must be a non-negative integer")
+    check_shared_settings({"seed": seed})  # within --seed's bounds (distlm.config)
 
     directory = data_directory(path)
     data_vocabulary = load_vocabulary(directory, task)

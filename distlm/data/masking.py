@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from distlm.data.dictionary import Vocabulary
+from distlm.config import check_shared_settings
 from distlm.errors import UsageError
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (torch's cross_entropy default)
@@ -85,8 +86,7 @@ class DynamicMasker:
                 f"random_token_prob {random_token_prob} and leave_unmasked_prob {leave_unmasked_prob} "
                 f"must be non-negative and sum to at most 1"
             )
-        if seed < 0:
-            raise UsageError(f"seed {seed} must be a non-negative integer")
+        check_shared_settings({"seed": seed})  # within --seed's bounds (distlm.config)
         self.seed = seed
         self.mask_prob = mask_prob
         self.random_token_prob = random_token_prob

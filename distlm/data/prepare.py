@@ -61,6 +61,7 @@ from distlm.data.hf_tokenizer import (
     train_tokenizer,
 )
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
+from distlm.config import check_shared_settings
 from distlm.errors import OneLineErrorParser, UsageError, first_line
 
 SPLITS = ("train", "valid")
@@ -319,8 +320,7 @@ def prepare(
     """
     if not 0.0 <= valid_fraction < 1.0:
         raise UsageError(f"--valid-fraction {valid_fraction} must be in [0, 1)")
-    if seed < 0:
-        raise UsageError(f"--seed {seed} must be a non-negative integer")
+    check_shared_settings({"seed": seed})  # within --seed's bounds (distlm.config)
     if text_key is not None and not text_key:
         raise UsageError("--text-key must not be empty")
     if workers < 1:

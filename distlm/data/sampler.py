@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from distlm.config import check_shared_settings
 from distlm.errors import UsageError
 
 Sample = tuple[int, int]  # (epoch, sample index)
@@ -45,8 +46,7 @@ class GlobalBatchSampler:
                 raise UsageError(f"{name} {value} must be at least 1")
         if not 0 <= dp_rank < dp_size:
             raise UsageError(f"dp_rank {dp_rank} must be in [0, {dp_size})")
-        if seed < 0:
-            raise UsageError(f"seed {seed} must be a non-negative integer")
+        check_shared_settings({"seed": seed})  # within --seed's bounds (distlm.config)
         self.num_samples = num_samples
         self.micro_batch_size = micro_batch_size
         self.update_freq = update_freq

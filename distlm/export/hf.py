@@ -20,7 +20,7 @@ from distlm.errors import UsageError, first_line
 from distlm.export.target import check_directory_target, copy_regular_files, staged_directory
 from distlm.models.hf import SpecialTokens, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
-from distlm.models.registry import FAMILY_CONFIGS, FAMILY_MODELS
+from distlm.models import registry
 
 logger = logging.getLogger("distlm")
 
@@ -34,12 +34,13 @@ def checked_model_config(reader: CheckpointReader) -> Any | None:
     each tensor from the shape the metadata gives it.
     """
     family, model_config = reader.meta.get("family"), reader.meta.get("model_config")
-    if family not in FAMILY_CONFIGS or model_config is None:
+    if family not in registry.families() or model_config is None:
         return None
+    bundle = registry.family(family)
     try:
-        config = FAMILY_CONFIGS[family](**model_config)
+        config = bundle.config_class(**model_config)
         with torch.device("meta"):
-            built = FAMILY_MODELS[family](config).state_dict()
+            built = bundle.model_class(config).state_dict()
     except (TypeError, ValueError, ArithmeticError) as err:
         raise UsageError(f"{reader.path / META_FILE}: model_config does not describe a {family} model "
                          f"({first_line(err)}); the checkpoint is damaged") from None

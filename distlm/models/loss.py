@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlm.data.masking import IGNORE_INDEX
+from distlm.models.family import TASK_RECORDS
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ModelInputs:
     @classmethod
     def of(cls, model: nn.Module, task: str) -> "ModelInputs":
         params = inspect.signature(model.forward).parameters
-        masked_lm = task == "masked_lm"
+        masked_lm = TASK_RECORDS[task].predicts_masked_positions
         return cls(masked_tokens=masked_lm and "masked_tokens" in params,
                    masked_positions=masked_lm and "masked_positions" in params,
                    has_padding="has_padding" in params)

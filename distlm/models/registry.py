@@ -1,123 +1,105 @@
-"""Named architectures (``--arch``) and the one function that builds them."""
+"""The model families distlm builds, listed once, and what is looked up through them: a family by
+name, arch, config or model; the published archs; ``build_model``.
+
+A family is a folder of ``distlm/models`` whose ``__init__.py`` defines ``FAMILY`` (a
+``ModelFamily``, distlm/models/family.py); adding one is that folder and its line below.
+Torch-free: the command line checks ``--arch`` and the size flags before torch is imported.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import types
 import typing
+from typing import Any
 
-from torch import nn
-
-from distlm.choices import ARCH_FAMILIES
+from distlm.choices import TASKS
 from distlm.errors import UsageError
-from distlm.models.llama import LlamaCausalLM, LlamaConfig
-from distlm.models.moe import MoECausalLM, MoEConfig
-from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
+from distlm.models.family import TASK_RECORDS, ModelFamily
 
-_LLAMA3_8B = LlamaConfig(
-    dim=4096,
-    n_layers=32,
-    n_heads=32,
-    n_kv_heads=8,
-    multiple_of=1024,
-    ffn_dim_multiplier=1.3,
-    rope_theta=500000.0,
-    max_seq_len=8192,
-    vocab_size=128256,
-)
-
-# arch name -> config; its family (hence model class) is in choices.ARCH_FAMILIES. A published
-# arch carries its published vocabulary size, so it builds with no data; the tiny ones leave
-# vocab_size at 0: it comes from the data at build time. Every build may override both
-# (build_model's arguments).
-_CONFIGS: dict[str, RobertaConfig | LlamaConfig | MoEConfig] = {
-    # Small enough (~1.8M parameters without the embedding) to train on one CPU core.
-    "roberta_tiny": RobertaConfig(dim=192, n_layers=4, n_heads=4, ffn_dim=768, max_positions=512),
-    # fairseq's roberta.base / Hugging Face's roberta-base (GPT-2 BPE, 50265 symbols).
-    "roberta_base": RobertaConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=3072, max_positions=512,
-                                  vocab_size=50265),
-    "roberta_large": RobertaConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=4096, max_positions=512,
-                                   vocab_size=50265),
-    "llama_tiny": LlamaConfig(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, multiple_of=64, max_seq_len=2048),
-    # The feed-forward sizes come from Meta's params.json (multiple_of, ffn_dim_multiplier):
-    # 11008 for Llama 2 7B and 14336 for Llama 3 8B, Hugging Face's intermediate_size.
-    "llama2_7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=4096,
-                             vocab_size=32000),
-    "llama3_8b": _LLAMA3_8B,
-    # Llama 3 8B's weights layout with the 128K context of Llama 3.1 (llama3 rope scaling).
-    "llama3_1_8b": dataclasses.replace(
-        _LLAMA3_8B,
-        rope_type="llama3",
-        rope_factor=8.0,
-        rope_low_freq_factor=1.0,
-        rope_high_freq_factor=4.0,
-        rope_original_max_seq_len=8192,
-        max_seq_len=131072,
-    ),
-    # Mixture of experts: Qwen3-MoE's layout (query/key norms), 8 experts of which each token
-    # uses 2, every layer; small enough for a CPU core.
-    "qwen3_moe_tiny": MoEConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, n_experts=8, top_k=2,
-                                moe_ffn_dim=32, qk_norm=True, max_seq_len=2048),
-    # Shapes of the published models, from their config.json (Hugging Face's names in brackets):
-    # the experts' hidden size (moe_intermediate_size; Mixtral's intermediate_size), the
-    # router's aux-loss coefficient (router_aux_loss_coef).
-    "mixtral_8x7b": MoEConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, n_experts=8, top_k=2,
-                              moe_ffn_dim=14336, aux_loss_coef=0.02, rope_theta=1e6, max_seq_len=32768,
-                              vocab_size=32000),
-    "qwen3_moe_30b_a3b": MoEConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_size=128, ffn_dim=6144,
-                                   n_experts=128, top_k=8, moe_ffn_dim=768, aux_loss_coef=0.001, qk_norm=True,
-                                   norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, vocab_size=151936),
-}
-
-# fairseq's own archs: trained from scratch, their learned positions follow
-# --tokens-per-sample when --max-positions is not given, as fairseq's masked LM sizes them.
-POSITIONS_FROM_SAMPLES = ("roberta_base", "roberta_large")
+FAMILY_PACKAGES = ("distlm.models.roberta", "distlm.models.llama", "distlm.models.moe")
+"""The packages of the model families, in the order their archs are listed."""
 
 # Set by build_model's own arguments, so not accepted as overrides.
 _BUILD_ARGUMENTS = ("vocab_size", "padding_idx")
 
 
-def _lookup(arch: str) -> tuple[type[nn.Module], RobertaConfig | LlamaConfig | MoEConfig]:
-    if arch not in ARCHS:
-        raise UsageError(f"--arch {arch} is unknown; choose one of: {', '.join(ARCHS)}")
-    return ARCHS[arch]
+@functools.cache
+def families() -> dict[str, ModelFamily]:
+    """Family name -> its record, in ``FAMILY_PACKAGES`` order."""
+    found: dict[str, ModelFamily] = {}
+    for package in FAMILY_PACKAGES:
+        family = importlib.import_module(package).FAMILY
+        if family.name in found:
+            raise RuntimeError(f"two model families are named {family.name}: {package} and another")
+        if family.task.name not in TASKS:
+            raise RuntimeError(f"{package}: task {family.task.name} is not one of choices.TASKS")
+        found[family.name] = family
+    archs = [arch for family in found.values() for arch in family.archs]
+    if len(set(archs)) != len(archs):
+        raise RuntimeError(f"an arch name is published by two model families: {sorted(archs)}")
+    return found
 
 
-FAMILIES: dict[type[nn.Module], str] = {RobertaMaskedLM: "roberta", LlamaCausalLM: "llama",
-                                        MoECausalLM: "qwen3_moe"}
-"""Model class -> the family name that fairseq's architecture flags and Hugging Face's model_type use:
-the one table of model families."""
-
-FAMILY_MODELS: dict[str, type[nn.Module]] = {family: model_class for model_class, family in FAMILIES.items()}
-"""Family name -> its model class (what a checkpoint's ``model_config`` builds)."""
-
-if set(_CONFIGS) != set(ARCH_FAMILIES):
-    raise RuntimeError(f"distlm.choices.ARCH_FAMILIES and the registry's configs name different archs: "
-                       f"{sorted(set(_CONFIGS) ^ set(ARCH_FAMILIES))}")
-ARCHS: dict[str, tuple[type[nn.Module], RobertaConfig | LlamaConfig | MoEConfig]] = {
-    arch: (FAMILY_MODELS[family], _CONFIGS[arch])
-    for arch, family in ARCH_FAMILIES.items()
-}
-"""Arch name -> (model class, config)."""
-
-FAMILY_CONFIGS: dict[str, type] = {FAMILIES[model_class]: type(config) for model_class, config in ARCHS.values()}
-"""Family name -> its config class (what a checkpoint's ``model_config`` is read into)."""
+def family(name: str) -> ModelFamily:
+    """The family a checkpoint or a planner shape names."""
+    if name not in families():
+        raise UsageError(f"model family {name!r} is unknown; distlm builds {', '.join(families())}")
+    return families()[name]
 
 
-def arch_family(arch: str) -> str:
-    """``"roberta"``, ``"llama"`` or ``"qwen3_moe"``."""
-    return FAMILIES[_lookup(arch)[0]]
+def arch_names() -> list[str]:
+    """Every published ``--arch``, family by family."""
+    return [arch for family in families().values() for arch in family.archs]
 
 
-def arch_task(arch: str) -> str:
-    """``"masked_lm"`` or ``"causal_lm"``: which objective (and data pipeline) the arch trains."""
-    model_class, _ = _lookup(arch)
-    return model_class.task
+def family_of_arch(arch: str) -> ModelFamily:
+    """The family publishing ``arch``; one line naming the archs when none does."""
+    for family in families().values():
+        if arch in family.archs:
+            return family
+    raise UsageError(f"--arch {arch} is unknown; choose one of: {', '.join(arch_names())}")
 
 
-def arch_config(arch: str) -> RobertaConfig | LlamaConfig:
+def family_of_config(config: object) -> ModelFamily:
+    """The family whose config class ``config`` is (the exact class: a mixture of experts'
+    config is a Llama config too)."""
+    for family in families().values():
+        if type(config) is family.config_class:
+            return family
+    raise UsageError(f"a {type(config).__name__} is no distlm model config; distlm builds "
+                     f"{', '.join(f.config_class.__name__ for f in families().values())}")
+
+
+def family_of_model(model: object) -> ModelFamily | None:
+    """The family of a distlm model (by its config); None for a model of the user's own."""
+    config = getattr(model, "config", None)
+    return next((family for family in families().values() if type(config) is family.config_class), None)
+
+
+def flag_owner(flag: str) -> str | None:
+    """The family a command-line model flag belongs to (the first that declares it); None for a
+    setting every model has."""
+    owners = [family.name for family in families().values() if flag in family.flags]
+    return None if len(owners) == len(families()) else (owners[0] if owners else None)
+
+
+def arch_overrides(settings: Any) -> dict[str, Any]:
+    """``settings`` (a ``ModelConfig``) as overrides of its ``--arch``'s config fields; a flag of
+    another family is one line naming both."""
+    return family_of_arch(settings.arch).overrides(settings, settings.arch, flag_owner)
+
+
+def task_of(name: str):
+    """The ``Task`` record of a task name (``--task``, a model's ``task``)."""
+    return TASK_RECORDS[name]
+
+
+def arch_config(arch: str) -> Any:
     """The named arch's configuration (a copy), e.g. to check a tp degree before building anything."""
-    return dataclasses.replace(_lookup(arch)[1])
+    return family_of_arch(arch).arch_config(arch)
 
 
 def _accepts(annotation: object, value: object) -> bool:
@@ -133,9 +115,7 @@ def _accepts(annotation: object, value: object) -> bool:
     return isinstance(value, annotation)
 
 
-def build_model(
-    arch: str, vocab_size: int | None = None, padding_idx: int | None = None, **overrides: object
-) -> nn.Module:
+def build_model(arch: str, vocab_size: int | None = None, padding_idx: int | None = None, **overrides: object):
     """Build ``arch`` on the current default device (use ``with torch.device("meta")``
     for deferred initialisation, then ``to_empty`` and ``init_weights()``).
 
@@ -143,7 +123,8 @@ def build_model(
     vocabulary, padding id 1. ``overrides`` replace fields of the arch's config, e.g.
     ``dropout=0.0``.
     """
-    model_class, base_config = _lookup(arch)
+    family = family_of_arch(arch)
+    base_config = family.archs[arch]
     if vocab_size is None:
         vocab_size = base_config.vocab_size
         if vocab_size <= 0:
@@ -163,7 +144,5 @@ def build_model(
                 f"model setting {name}={value!r} has the wrong type for --arch {arch}; "
                 f"expected {field_types[name]}"
             )
-    config = dataclasses.replace(
-        base_config, vocab_size=vocab_size, padding_idx=padding_idx, **overrides
-    )
-    return model_class(config)
+    config = dataclasses.replace(base_config, vocab_size=vocab_size, padding_idx=padding_idx, **overrides)
+    return family.model_class(config)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distlm.observe.printer import significant
-from distlm.parallel.comm_hooks import all_gather_tensor
+from distlm.runtime.context import all_gather_tensor
 
 logger = logging.getLogger("distlm")
 

@@ -27,6 +27,7 @@ from distlm.choices import COMM_HOOKS, comm_hook_wire_dtype
 from distlm.errors import UsageError
 from distlm.mesh import node_groups, node_groups_of, validate_ranks_per_node
 from distlm.precision import DTYPES, dtype_name
+from distlm.runtime.context import all_gather_tensor
 
 Reducer = Callable[[torch.Tensor], "Future[torch.Tensor]"]
 
@@ -89,10 +90,9 @@ def _half_sum(transport: Transport, tensor: torch.Tensor, dtype: torch.dtype) ->
     return _then(transport.all_reduce_sum(half), lambda: tensor.copy_(half))
 
 
-# torch 2.13 renamed these (the old names warn); older releases (Neuron's torch-xla
-# stacks) know only the old ones. Same arguments.
+# torch 2.13 renamed it (the old name warns); older releases (Neuron's torch-xla stacks)
+# know only the old one. Same arguments. (all_gather_tensor: the same for the all-gather.)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _check_half_dtype(dtype: torch.dtype) -> None:

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers over ranks: expert parallelism, and routing statistics of the global batch.
 
 ``apply_moe`` installs, into each MoE layer of a model built single-device
-(distlm/models/moe.py):
+(distlm/models/moe/model.py):
 
 - how its experts compute: one ``torch._grouped_mm`` where the backend runs it in the
   run's compute dtype, forward and backward, else a loop over experts (the start-up log
@@ -54,7 +54,9 @@ from torch.distributed.tensor import DTensor, Shard
 from distlm.backends.base import probe_grouped_mm
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models.moe import MoEFeedForward, local_tensor, moe_layers
+from distlm.models.moe.model import MoEFeedForward, moe_layers
+from distlm.state.names import local_shard
+
 
 logger = logging.getLogger("distlm")
 
@@ -116,7 +118,7 @@ class ExpertGradients:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return
         if self.group is not None:

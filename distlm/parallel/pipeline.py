@@ -42,14 +42,15 @@ from distlm.errors import UsageError
 from distlm.models.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
-from distlm.models.moe import moe_layers
+from distlm.models.moe.model import moe_layers
 from distlm.parallel.handle import DataParallelHandle
-from distlm.state.names import single_device_name
+from distlm.state.names import local_shard, single_device_name
 from distlm.parallel.ddp import apply_ddp
 from distlm.parallel.expert import apply_moe, expert_parameters, routing_over_stages
 from distlm.parallel.fsdp import fsdp_dtypes
 from distlm.parallel.tp import _pattern_regex, clip_grad_norm_, local_value, shard_gradients_like_parameters
 from distlm.precision import MODE_DTYPES
+
 
 logger = logging.getLogger("distlm")
 
@@ -406,7 +407,7 @@ class PipelineRunner:
             return
         for param in self.tied:
             grad = param.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
+            dist.all_reduce(local_shard(grad), group=self.tied_group)
 
     @property
     def uncounted(self) -> list[nn.Parameter]:

@@ -8,11 +8,10 @@ optimizer, state bookkeeping), with three changes:
 
 - Parameter sync broadcasts each owner's partition flattened into buckets of
   ``sync_bucket_mb``, all owners at once (async), instead of one broadcast per
-  parameter tensor: on gloo every collective costs 0.25-2 ms before any
-  data moves. Measured with 2 ranks on gloo: 7-8 ms per sync against 31 ms
-  (roberta_tiny, 73 tensors) and 16 ms (llama_tiny) for torch's per-tensor sync.
-  Torch's own ``parameters_as_bucket_view`` (about 4 ms, no copies) rebinds
-  ``param.data`` into a flat buffer, which a DTensor parameter cannot take.
+  parameter tensor: every collective has a fixed cost before any data moves (large on
+  gloo), so a few large broadcasts take a fraction of one per tensor. Torch's own
+  ``parameters_as_bucket_view`` (no copies) rebinds ``param.data`` into a flat buffer,
+  which a DTensor parameter cannot take.
 - Tensor-parallel (DTensor) parameters work: the sync moves each parameter's local
   shard inside the dp group of its own tp rank (torch's stock sync raises
   "c10d.broadcast_ does not have a sharding strategy"), and a partition that mixes

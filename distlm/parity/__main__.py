@@ -10,7 +10,7 @@ deterministic algorithms. Every other flag is distlm.train's and applies to all 
 The reference takes the global batch as ``--update-freq`` x dp micro-batches of
 ``--batch-size``, so its micro-batch j is the one data-parallel rank j / U trains on. A
 mixture of experts with an auxiliary loss is the exception: that loss is taken over the
-global micro-batch (every rank's j-th, distlm/models/moe.py), so its reference trains on
+global micro-batch (every rank's j-th, distlm/models/moe/model.py), so its reference trains on
 micro-batches of dp x ``--batch-size``, which exist for ``--update-freq`` 1 only.
 On one machine each layout is a ``torchrun --standalone`` of its world size; inside an
 allocation (torchrun, srun, mpiexec) every layout runs on the allocation's ranks, which

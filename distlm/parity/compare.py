@@ -43,7 +43,7 @@ from distlm.choices import comm_hook_wire_dtype
 from distlm.precision import DTYPES, MODE_DTYPES
 
 EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
-# A mixture of experts' stacked experts (distlm/models/moe.py), expert first: each expert is
+# A mixture of experts' stacked experts (distlm/models/moe/model.py), expert first: each expert is
 # compared, and named, on its own, so a report says which expert left the reference.
 STACKED_EXPERTS = re.compile(r"(.+\.)?experts\.(gate_up_proj|down_proj)")
 

@@ -34,7 +34,7 @@ from distlm.runtime.context import shutdown
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.models.contract import model_blocks
 from distlm.state.full import full_state_dict
-from distlm.state.names import parameter_names, single_device_name, unwrap
+from distlm.state.names import local_shard, parameter_names, single_device_name, unwrap
 from distlm.training.trainer import Trainer
 
 ERROR_PREFIX = "distlm.parity: error: "
@@ -112,7 +112,7 @@ class ParityTrainer(Trainer):
         for param_name, param in zip(parameter_names(self.model), self.model.parameters()):
             if param_name == name:
                 with torch.no_grad():
-                    (param.to_local() if isinstance(param, DTensor) else param).add_(delta)
+                    local_shard(param).add_(delta)
 
     def write_step(self, record: dict[str, Any]) -> None:
         totals = torch.tensor([float(record["loss_sum"]), float(record["target_tokens"])], dtype=torch.float64,

@@ -78,7 +78,10 @@ from distlm.config import check_shared_settings
 from distlm.errors import UsageError
 from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
-from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, parameter_groups
+from distlm.config import DataConfig
+from distlm.models import registry
+from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, local_parameters
+from distlm.models.sizes import LocalParameters
 from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
 from distlm.precision import DTYPES, dtype_name
 
@@ -531,8 +534,8 @@ class Workload:
     allreduce_algorithm: str = "ring"
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
-    masked_fraction: float = 0.15
-    """RoBERTa's LM head runs at the masked positions only (distlm's --mask-prob default)."""
+    mask_prob: float = DataConfig.mask_prob
+    """distlm.train's --mask-prob: a masked LM's output runs at that share of the positions only."""
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
     """Pipeline micro-batches each ``batch_size`` is split into (None: 2 x the pp degree)."""
@@ -540,6 +543,11 @@ class Workload:
     """Stages each rank runs (looped schedules); None: 1, or 2 for zbv."""
     stage: Stage | None = None
     """The pipeline stage a rank runs (set by ``project_pipeline``); None: the whole model."""
+
+    @property
+    def output_fraction(self) -> float:
+        """The share of positions the model computes its output (logits, a masked LM's head) at."""
+        return registry.family(self.shape.family).task.output_fraction(self.mask_prob)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -611,80 +619,8 @@ class Projection:
 # --------------------------------------------------------------------------- memory
 
 
-@dataclass(frozen=True)
-class LocalParameters:
-    """Parameters one tensor-parallel rank holds, by role (see ``flops.ParameterGroups``)."""
-
-    embedding: float
-    per_block: float
-    head: float
-    blocks: int
-    matmul_embedding: float
-    """Of ``embedding``, the part that multiplies per token (a tied output projection)."""
-    matmul_head: float
-    experts: float = 0.0
-    """Routed expert parameters expert parallel holds on this rank, outside the dense
-    strategy (its share of every MoE layer's experts); 0 without expert parallel, where
-    they are in ``per_block``."""
-    active_per_block: float | None = None
-    """Of a mixture of experts, the parameters a token multiplies in an average block (its
-    top-k experts, not all of them); None: ``per_block``."""
-
-    @property
-    def dense_total(self) -> float:
-        """Parameters the data-parallel strategy holds (shards or replicates)."""
-        return self.embedding + self.blocks * self.per_block + self.head
-
-    @property
-    def total(self) -> float:
-        return self.dense_total + self.experts
-
-    @property
-    def compute_per_block(self) -> float:
-        return self.per_block if self.active_per_block is None else self.active_per_block
 
 
-def local_parameters(shape: ModelShape, tp: int, ep: int = 1) -> LocalParameters:
-    """Parameter counts per tensor-parallel rank under distlm's TP plans: Llama splits its
-    block projections, vocabulary embedding and output layer and keeps norms whole;
-    RoBERTa splits its encoder projections (row-wise biases and LayerNorms stay whole)
-    and keeps embeddings and the tied LM head replicated. A mixture of experts (no tensor
-    parallel) has its blocks averaged, as the projection runs them alike, and under
-    expert parallel (``ep``) its routed experts apart, ``1/ep`` of them per rank."""
-    groups = parameter_groups(shape)
-    d = shape.dim
-    if shape.n_experts:
-        blocks = groups.blocks * groups.per_block + groups.uneven_blocks
-        routed = routed_expert_parameters(shape)
-        dense_blocks = blocks - routed if ep > 1 else blocks
-        head = d + (0 if shape.tied_output else groups.output_projection)
-        return LocalParameters(
-            embedding=groups.embedding, per_block=dense_blocks / shape.n_layers, head=head, blocks=shape.n_layers,
-            matmul_embedding=groups.embedding if shape.tied_output else 0.0, matmul_head=head,
-            experts=routed / ep if ep > 1 else 0.0,
-            active_per_block=(blocks - shape.inactive_expert_parameters) / shape.n_layers,
-        )
-    if shape.family == "llama":
-        norms = 2 * d
-        block = (groups.per_block - norms) / tp + norms
-        if tp > shape.n_kv_heads:
-            # Fewer key/value heads than ranks: each rank keeps one whole head (replicated
-            # tp / n_kv_heads times), as neuronx-distributed lays out GQA.
-            kv_split = 2 * d * shape.kv_dim / tp
-            block += 2 * d * shape.head_dim - kv_split
-        output = 0 if shape.tied_output else groups.output_projection
-        head = output / tp + d
-        embedding = groups.embedding / tp
-        return LocalParameters(
-            embedding=embedding, per_block=block, head=head, blocks=shape.n_layers,
-            matmul_embedding=embedding if shape.tied_output else 0.0, matmul_head=head,
-        )
-    whole = d + 2 * d + d + 2 * d  # out_proj bias, LayerNorm, fc2 bias, LayerNorm
-    block = (groups.per_block - whole) / tp + whole
-    return LocalParameters(
-        embedding=groups.embedding, per_block=block, head=groups.head, blocks=shape.n_layers,
-        matmul_embedding=groups.output_projection, matmul_head=groups.head,
-    )
 
 
 def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
@@ -741,7 +677,10 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
         blocks = s.n_layers * inputs + block
     else:
         blocks = s.n_layers * block
-    vocab = s.vocab_size / tp if s.family == "llama" else s.vocab_size * workload.masked_fraction
+    # Logits of the positions the model outputs at, each rank's share of the vocabulary where
+    # tensor parallel splits the output projection.
+    split = tp if registry.family(s.family).sizes.output_split_by_tp else 1
+    vocab = s.vocab_size / split * workload.output_fraction
     logits = tokens * vocab * 4 * 2 if workload.stage is None or workload.stage.last else 0.0
     return blocks + logits
 
@@ -790,7 +729,7 @@ def micro_batch_segments(
     # products (the heads are split over the tensor-parallel ranks).
     attention = 4.0 * s.attention_dim * workload.tokens_per_sample / tp
     fwd_block = tokens * (2 * local.compute_per_block + attention) / flops_rate
-    head_tokens = tokens * (workload.masked_fraction if s.family == "roberta" else 1.0)
+    head_tokens = tokens * workload.output_fraction
     fwd_head = head_tokens * 2 * (local.matmul_head + local.matmul_embedding) / flops_rate
     recompute = fwd_block if workload.activation_checkpointing else 0.0
     # Tensor parallel: two activation all-reduces per block in forward (after attention and
@@ -813,9 +752,6 @@ def micro_batch_segments(
 # ------------------------------------------------------------------- mixture of experts
 
 
-def routed_expert_parameters(shape: ModelShape) -> int:
-    """Parameters of the routed experts of every MoE layer (0 for a dense model)."""
-    return shape.n_moe_layers * shape.n_experts * 3 * shape.dim * shape.moe_ffn_dim
 
 
 def all_to_all_time(nbytes: float, group: Group, cluster: Cluster) -> float:
@@ -870,11 +806,11 @@ def expert_gradient_seconds(workload: Workload, layout: Layout, cluster: Cluster
                            workload.allreduce_algorithm) if experts else 0.0
 
 
-def executed_flops_per_token(shape: ModelShape, seq_len: int, masked_fraction: float = 0.15) -> float:
+def executed_flops_per_token(shape: ModelShape, seq_len: int, mask_prob: float = DataConfig.mask_prob) -> float:
     """FLOPs per token the step really runs, as ``micro_batch_segments`` times them:
-    ``flops_per_token`` with RoBERTa's LM head (and its tied projection) at the masked
-    fraction of positions only. Calibration divides these by the measured compute time."""
-    return flops_per_token(shape, seq_len, masked_fraction if shape.family == "roberta" else 1.0)
+    ``flops_per_token`` with a masked LM's head (and its tied projection) at the masked
+    share of positions only. Calibration divides these by the measured compute time."""
+    return flops_per_token(shape, seq_len, registry.family(shape.family).task.output_fraction(mask_prob))
 
 
 def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:

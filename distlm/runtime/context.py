@@ -20,6 +20,10 @@ from distlm.launch.hosts import node_layout
 from distlm.mesh import ParallelDims
 from distlm.runtime.heartbeat import Heartbeat, stop_heartbeat
 
+# torch 2.13 renamed it (the old name warns); older releases (Neuron's torch-xla stacks)
+# know only the old one. Same arguments.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class CollectiveFailure(RuntimeError):
     """A collective did not complete: a peer died, stalled past --timeout-sec, or lost its link."""

@@ -12,6 +12,7 @@ Otherwise every rank builds the whole model the same way (same seed, or the same
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,20 +23,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from distlm.config import ModelConfig, arch_overrides
+from distlm.config import ModelConfig
 from distlm.data.dictionary import MASK_SYMBOL
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
-from distlm.models import ARCHS
+from distlm.models import registry
 from distlm.models.contract import allocate_meta_buffers
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
-from distlm.models.registry import FAMILIES, POSITIONS_FROM_SAMPLES
+from distlm.models.family import ModelFamily
 from distlm.state.names import single_device_name
-
-
-# Settings that set sizes: --init-from-hf takes them from config.json, so they must agree.
-_SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size", "tie_word_embeddings",
-                "n_experts", "moe_ffn_dim", "moe_every", "n_shared_experts", "qk_norm")  # the last five: MoE only
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ class ModelSpec:
 
     name: str
     """``--arch`` name, or ``hf_<model_type>`` for a Hugging Face model given without --arch."""
-    model_class: type[nn.Module]
+    family: ModelFamily
     config: Any
     """The model's config; ``vocab_size`` 0 means "from the data"."""
     hf_dir: Path | None = None
@@ -52,18 +48,22 @@ class ModelSpec:
 
     @property
     def task(self) -> str:
-        return self.model_class.task
+        return self.family.task.name
 
     @property
-    def family(self) -> str:
-        return FAMILIES[self.model_class]
+    def model_class(self) -> type[nn.Module]:
+        return self.family.model_class
 
-    def build(self, vocab_size: int, padding_idx: int) -> nn.Module:
-        """The model on the meta device with ``vocab_size`` rows (``choose_vocabulary``)."""
+    def build(self, vocab_size: int, padding_idx: int, reuse: nn.Module | None = None) -> nn.Module:
+        """The model on the meta device with ``vocab_size`` rows (``choose_vocabulary``): ``reuse``
+        itself (a meta model built earlier, e.g. to validate the layout) where it has this config."""
         # A Hugging Face model keeps its own padding id; a named arch pads with the data's.
         padding = self.config.padding_idx if self.hf_dir is not None else padding_idx
+        config = dataclasses.replace(self.config, vocab_size=vocab_size, padding_idx=padding)
+        if reuse is not None and getattr(reuse, "config", None) == config:
+            return reuse
         with torch.device("meta"):
-            return self.model_class(dataclasses.replace(self.config, vocab_size=vocab_size, padding_idx=padding))
+            return self.model_class(config)
 
 
 @dataclass(frozen=True)
@@ -124,23 +124,21 @@ def resolve_model_spec(settings: ModelConfig, tokens_per_sample: int | None = No
     --max-positions is not given, as fairseq's masked LM does.
     """
     if settings.init_from_hf is None:
-        if settings.arch not in ARCHS:
-            raise UsageError(f"--arch {settings.arch} is unknown; choose one of: {', '.join(ARCHS)}")
-        model_class, base = ARCHS[settings.arch]
-        overrides = arch_overrides(settings, FAMILIES[model_class])
-        if settings.arch in POSITIONS_FROM_SAMPLES and settings.max_positions is None and tokens_per_sample:
-            overrides["max_positions"] = tokens_per_sample
-        return ModelSpec(settings.arch, model_class, _replace(base, overrides, f"--arch {settings.arch}"))
+        family = registry.family_of_arch(settings.arch)
+        overrides = registry.arch_overrides(settings)
+        if settings.arch in family.positions_from_samples and settings.max_positions is None and tokens_per_sample:
+            overrides[family.flags["max_positions"]] = tokens_per_sample
+        return ModelSpec(settings.arch, family, _replace(family.archs[settings.arch], overrides,
+                                                         f"--arch {settings.arch}"))
     directory = Path(settings.init_from_hf)
     if not (directory / io.CONFIG_NAME).is_file():
         raise UsageError(f"--init-from-hf {directory}: no {io.CONFIG_NAME} there; name a Hugging Face model directory")
     hf_config = io.read_config(directory)
     adapter = adapter_for_hf(hf_config)
     config, tokens = adapter.config_from_hf(hf_config)
-    family = FAMILIES[adapter.model_class]
-    overrides = arch_overrides(settings, family)
-    sized = sorted(set(overrides) & set(_SIZE_FIELDS + ("max_positions", "max_seq_len", "multiple_of",
-                                                         "ffn_dim_multiplier")))
+    family = registry.family_of_config(config)
+    overrides = family.overrides(settings, settings.arch, registry.flag_owner)
+    sized = sorted(set(overrides) & set(family.size_fields))
     if sized:
         raise UsageError(
             f"--init-from-hf takes the model's sizes from {directory / io.CONFIG_NAME}; drop the flags that "
@@ -148,8 +146,8 @@ def resolve_model_spec(settings: ModelConfig, tokens_per_sample: int | None = No
         )
     config = _replace(config, overrides, f"--init-from-hf {directory}")
     if settings.arch is not None:
-        _check_arch_agrees(settings.arch, adapter.model_class, config, directory)
-    return ModelSpec(settings.arch or f"hf_{adapter.model_type}", adapter.model_class, config, directory, tokens)
+        _check_arch_agrees(settings.arch, family, config, directory)
+    return ModelSpec(settings.arch or f"hf_{adapter.model_type}", family, config, directory, tokens)
 
 
 def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
@@ -160,16 +158,15 @@ def _replace(config: Any, overrides: dict[str, Any], what: str) -> Any:
     return dataclasses.replace(config, **overrides)
 
 
-def _check_arch_agrees(arch: str, model_class: type, config: Any, directory: Path) -> None:
-    if arch not in ARCHS:
-        raise UsageError(f"--arch {arch} is unknown; choose one of: {', '.join(ARCHS)}")
-    arch_class, arch_config = ARCHS[arch]
-    if arch_class is not model_class:
+def _check_arch_agrees(arch: str, family: ModelFamily, config: Any, directory: Path) -> None:
+    arch_family = registry.family_of_arch(arch)
+    if arch_family is not family:
         raise UsageError(
-            f"--arch {arch} is a {FAMILIES[arch_class]} model but --init-from-hf {directory} holds a "
-            f"{FAMILIES[model_class]} model; drop --arch or make them agree"
+            f"--arch {arch} is a {arch_family.name} model but --init-from-hf {directory} holds a "
+            f"{family.name} model; drop --arch or make them agree"
         )
-    for name in _SIZE_FIELDS + ("vocab_size",):
+    arch_config = family.archs[arch]
+    for name in family.arch_fields + ("vocab_size",):
         mine, theirs = getattr(arch_config, name, None), getattr(config, name, None)
         if name == "vocab_size" and not mine:
             continue
@@ -201,6 +198,7 @@ def build_model_for_run(
     param_dtype: torch.dtype,
     seed: int,
     user_model: nn.Module | None = None,
+    checked: nn.Module | None = None,
     weights_from_checkpoint: bool = False,
 ) -> ModelBuild:
     """The model of the run, built for the layout (see the module docstring).
@@ -208,12 +206,15 @@ def build_model_for_run(
     ``weights_from_checkpoint``: a resumed run, whose checkpoint then loads every
     parameter (the load refuses a checkpoint that lacks one). The model is only allocated,
     each rank its own shards, and its derived buffers computed: it is neither initialised
-    from the seed, nor read from ``--init-from-hf``, nor broadcast from rank 0.
+    from the seed, nor read from ``--init-from-hf``, nor broadcast from rank 0. ``checked``: the
+    meta model validation built, which is the run's model where it has its vocabulary; the spec's
+    model class is constructed at most once more, and copies of the meta model stand for it
+    (rank 0's whole initialised copy, a pipeline stage's).
     """
     if user_model is not None:
         model = _initialised(user_model, device, param_dtype, seed) if _is_meta(user_model) else user_model
         return ModelBuild(model.to(device=device, dtype=param_dtype))
-    model = spec.build(vocab_size, padding_idx)
+    model = spec.build(vocab_size, padding_idx, reuse=checked)
     sharded = (dims.strategy == "fsdp" and dims.dp_enabled) or dims.tp_enabled or dims.pp_enabled
     from_hf = spec.hf_dir is not None
     # Expert parallel splits the experts: from Hugging Face files a rank reads only its own.
@@ -230,16 +231,20 @@ def build_model_for_run(
         else:
             model = _initialised(model, device, param_dtype, seed)
         return ModelBuild(model.to(dtype=param_dtype))  # derived buffers too, as before
-    model = model.to(dtype=param_dtype)  # still meta: no memory yet
     if weights_from_checkpoint:
-        return ModelBuild(model, fill_shards=_compute_buffers)
+        return ModelBuild(model.to(dtype=param_dtype), fill_shards=_compute_buffers)  # still meta: no memory yet
     if from_hf:
-        return ModelBuild(model, fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
+        return ModelBuild(model.to(dtype=param_dtype),
+                          fill_shards=lambda parallel: _fill_shards_from_hf(parallel, spec))
+    # The whole model as built, on meta: parallelising changes ``model`` in place, and copies of
+    # this are initialised where the seed's weights are drawn (in the built dtype, then cast).
+    template = copy.deepcopy(model)
+    model = model.to(dtype=param_dtype)
 
     def whole_model(keep: Collection[str] | None = None) -> nn.Module:
         if keep is None:
-            return _initialised(spec.build(vocab_size, padding_idx), torch.device("cpu"), param_dtype, seed)
-        return _initialised_keeping(spec.build(vocab_size, padding_idx), keep, seed)
+            return _initialised(copy.deepcopy(template), torch.device("cpu"), param_dtype, seed)
+        return _initialised_keeping(copy.deepcopy(template), keep, seed)
 
     return ModelBuild(model, whole_model=whole_model)
 

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from distlm.precision import MODE_DTYPES
 from distlm.state.names import local_shard
 
 
@@ -40,17 +41,20 @@ ZERO_STAGES: dict[str, int] = {"ddp": 0, "zero1": 1, "fsdp": 3}
 """Each data-parallel strategy (choices.STRATEGIES) as the ZeRO stage whose memory it has."""
 
 
-def zero_formula_bytes(num_params: int, dp: int, stage: int, optimizer_bytes_per_param: int = 8) -> dict[str, float]:
-    """The ZeRO paper's per-rank bytes with fp32 weights and gradients (4 + 4 bytes) and
-    Adam's two fp32 moments (8 bytes) for ``num_params`` (Ψ) parameters over ``dp`` ranks.
+def zero_formula_bytes(num_params: int, dp: int, stage: int, optimizer_bytes_per_param: int = 8,
+                       precision: str = "fp32") -> dict[str, float]:
+    """The ZeRO paper's per-rank bytes for ``num_params`` (Ψ) parameters over ``dp`` ranks: weights
+    and gradients in the weights' dtype of ``precision`` (4 + 4 bytes, fp32 also under bf16 and
+    fp16 autocast; 2 + 2 with --memory-efficient-fp16) and Adam's two fp32 moments (8 bytes).
 
-    Stage 0 is DDP (16Ψ), 1 shards the optimizer state (8Ψ/N of it), 2 also the
-    gradients, 3 (FSDP) everything: 16Ψ/N.
+    Stage 0 is DDP (16Ψ in fp32), 1 shards the optimizer state (8Ψ/N of it), 2 also the
+    gradients, 3 (FSDP) everything: 16Ψ/N in fp32.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
-    params = 4 * num_params / (dp if stage >= 3 else 1)
-    grads = 4 * num_params / (dp if stage >= 2 else 1)
+    weight_bytes = MODE_DTYPES[precision].param.itemsize
+    params = weight_bytes * num_params / (dp if stage >= 3 else 1)
+    grads = weight_bytes * num_params / (dp if stage >= 2 else 1)
     optimizer = optimizer_bytes_per_param * num_params / (dp if stage >= 1 else 1)
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optimizer, "total_bytes": params + grads + optimizer}
 

@@ -3,9 +3,9 @@
 The allocator's own error (``DefaultCPUAllocator: can't allocate memory``, CUDA's
 ``OutOfMemoryError``) comes from deep inside torch and names neither the model nor a
 remedy. Caught where the model is built and around each update, it becomes a
-``UsageError`` with an estimate of the per-rank need: 16 bytes a parameter in fp32
-(weights, gradients, Adam's two moments) sharded as the strategy shards them (the
-planner's rule), plus activations that grow with the micro-batch.
+``UsageError`` with an estimate of the per-rank need: weights and gradients in their dtype
+and Adam's two fp32 moments (``training.memory.zero_formula_bytes``) sharded as the strategy
+shards them (the planner's rule), plus activations that grow with the micro-batch.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from distlm.errors import UsageError
+from distlm.precision import MODE_DTYPES, dtype_name
 from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 
 _MARKERS = ("can't allocate memory", "out of memory", "failed to allocate")
@@ -52,10 +53,12 @@ STEP_REMEDY = ("lower --batch-size (and raise --update-freq to keep the global b
                "--activation-checkpointing, or shard the model (--strategy fsdp)")
 
 
-def describe_state_need(num_params: int, strategy: str, dp: int, tp: int) -> str:
-    """The per-rank bytes of fp32 weights, gradients and Adam state (the ZeRO paper's formulas), in words."""
-    need = zero_formula_bytes(max(1, num_params // tp), dp, ZERO_STAGES.get(strategy, 0))["total_bytes"]
-    return (f"the model's {num_params:,} parameters need about {format_bytes(need)} per rank for fp32 weights, "
+def describe_state_need(num_params: int, strategy: str, dp: int, tp: int, precision: str = "fp32") -> str:
+    """The per-rank bytes of weights, gradients and Adam state (the ZeRO paper's formulas), in words."""
+    need = zero_formula_bytes(max(1, num_params // tp), dp, ZERO_STAGES.get(strategy, 0),
+                              precision=precision)["total_bytes"]
+    weights = dtype_name(MODE_DTYPES[precision].param)
+    return (f"the model's {num_params:,} parameters need about {format_bytes(need)} per rank for {weights} weights, "
             f"gradients and Adam state under --strategy {strategy} (dp {dp} x tp {tp})")
 
 

@@ -32,7 +32,7 @@ def describe_run(config: TrainConfig, data: Any, model: nn.Module, spec: ModelSp
         "config": config.to_dict(),
         "dictionary": list(dictionary.symbols) if dictionary is not None else None,
         "tied_weights": tied_aliases(model),
-        "family": spec.family if spec is not None else None,
+        "family": spec.family.name if spec is not None else None,
         "model_config": dataclasses.asdict(model_config) if dataclasses.is_dataclass(model_config) else None,
         "special_tokens": _special_tokens(spec, dictionary),
         "trackers": tracker_ids or {},

@@ -13,9 +13,8 @@ from torch.distributed.tensor import DTensor
 from distlm.training.builder import ModelSpec, Vocabulary
 from distlm.errors import UsageError
 from distlm.training.memory import memory_report
-from distlm.models import LlamaConfig, RobertaConfig
+from distlm.models import registry
 from distlm.models.flops import count_parameters
-from distlm.models.moe import MoEConfig, moe_parameter_counts
 from distlm.state.names import unwrap
 
 logger = logging.getLogger("distlm")
@@ -42,9 +41,8 @@ def log_start(is_main: bool, data: Any, model: nn.Module, fresh: ModelSpec | Non
         logger.info("model: %s parameters, in %d pipeline stages of %s parameters; %.1f MiB of weights on rank 0 (%s)",
                     f"{_whole_count(model, stage_sizes):,}", len(stage_sizes), ", ".join(f"{n:,}" for n in stage_sizes),
                     held["param_bytes"] / 2**20, "sharded" if _sharded(model) else "its stage whole")
-    config = getattr(unwrap(model), "config", None)
-    if isinstance(config, (LlamaConfig, RobertaConfig)):
-        logger.info("model shape: %s", describe_shape(config, vocabulary))
+    if registry.family_of_model(unwrap(model)) is not None:
+        logger.info("model shape: %s", describe_shape(unwrap(model).config, vocabulary))
     if fresh is not None:
         logger.info("starting from %s", f"the weights in --init-from-hf {fresh.hf_dir}"
                     if fresh.hf_dir is not None else f"seed {seed}")
@@ -90,36 +88,11 @@ def _sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def describe_shape(config: LlamaConfig | RobertaConfig, vocabulary: Vocabulary | None = None) -> str:
-    """Layers, width, heads, KV heads, head size, FFN, vocabulary (and where it came from),
-    positions, and for Llama the rotary base and scaling: what the command line built."""
-    if isinstance(config, LlamaConfig):
-        heads, kv_heads, head_size, ffn = config.n_heads, config.kv_heads, config.head_dim, config.ffn_hidden_dim
-        scaling = "no scaling"
-        if config.llama3_scaling is not None:
-            factor, low, high, original = config.llama3_scaling
-            scaling = (f"llama3 scaling (factor {factor:g}, low {low:g}, high {high:g}, "
-                       f"original {original} positions)")
-        positions = f"{config.max_seq_len} rotary positions (theta {config.rope_theta:g}, {scaling})"
-        tied = ", output tied to the embedding" if config.tie_word_embeddings else ""
-    else:
-        heads, kv_heads, head_size, ffn = config.n_heads, config.n_heads, config.dim // config.n_heads, config.ffn_dim
-        positions, tied = f"{config.max_positions} learned positions", ""
+def describe_shape(config: Any, vocabulary: Vocabulary | None = None) -> str:
+    """Layers, width, heads, KV heads, head size, FFN, vocabulary (and where it came from), then
+    the family's own part (positions, tied output, experts): what the command line built."""
+    family = registry.family_of_config(config)
+    s = family.sizes.shape(config)
     source = f" ({vocabulary.source})" if vocabulary is not None else ""
-    return (f"{config.n_layers} layers, width {config.dim}, {heads} heads, {kv_heads} KV heads, head size "
-            f"{head_size}, FFN {ffn}, vocabulary {config.vocab_size:,}{source}, {positions}{tied}"
-            f"{describe_experts(config) if isinstance(config, MoEConfig) else ''}")
-
-
-def describe_experts(config: MoEConfig) -> str:
-    """The mixture of experts of an MoE model's shape line: experts, top-k, router, balancing,
-    and the parameters a token uses against those the model holds."""
-    total, active = moe_parameter_counts(config)
-    layers = ("every layer" if config.moe_every == 1
-              else f"one layer in {config.moe_every} ({config.n_moe_layers} of {config.n_layers})")
-    shared = f" + {config.n_shared_experts} shared" if config.n_shared_experts else ""
-    balance = [f"aux loss x {config.aux_loss_coef:g}"] if config.aux_loss_coef else []
-    balance += [f"bias update {config.bias_update_rate:g}"] if config.bias_update_rate else []
-    return (f"; mixture of experts in {layers}: {config.n_experts} experts{shared} of FFN {config.expert_ffn_dim}, "
-            f"top-{config.top_k} {config.router} router, dropless, balancing: {', '.join(balance) or 'none'}; "
-            f"{active:,} active of {total:,} parameters per token")
+    return (f"{s.n_layers} layers, width {s.dim}, {s.n_heads} heads, {s.n_kv_heads} KV heads, head size "
+            f"{s.head_dim}, FFN {s.ffn_dim}, vocabulary {config.vocab_size:,}{source}, {family.sizes.describe(config)}")

@@ -37,6 +37,8 @@ class Start:
     context: DistContext
     spec: ModelSpec | None
     """The ``--arch``/``--init-from-hf`` model validation checked; None for a user's model."""
+    model: torch.nn.Module | None = None
+    """The model validation checked, on the meta device: the builder's, where its vocabulary is the run's."""
 
 
 def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: bool = True) -> Start:
@@ -61,7 +63,7 @@ def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: 
     if env.launcher == "torchelastic":
         die_with_torchrun_agent()  # also for the tools and the Python API; train.py asked already
     backend = get_backend(settings.device)
-    dims, spec = validate_run(config, env, backend, model)
+    dims, spec, checked = validate_run(config, env, backend, model)
     if config.compile.compile_cache:
         # Before the device runtime starts: XLA's persistent cache and Neuron's compiler
         # read their variables once, when it does.
@@ -80,7 +82,7 @@ def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: 
     if agree:
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, context.all_gather_object)
-    return Start(context, spec)
+    return Start(context, spec, checked)
 
 
 def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:

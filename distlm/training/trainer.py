@@ -7,6 +7,7 @@ costs one host synchronisation: the finite check of the gradient norm.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Iterator
@@ -15,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.runtime.agreement import check_ranks_agree
+from distlm.models.registry import task_of
 from distlm.training.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, seed_dropout, training_states
 from distlm.training.precompile import CompileReport, precompile
@@ -22,7 +24,7 @@ from distlm.config import TrainConfig
 from distlm.data import SharedScan, load_split
 from distlm.data.batches import training_sampler, update_batches
 from distlm.runtime.context import DistContext
-from distlm.training.startup import parallel_options, start_run
+from distlm.training.startup import Start, parallel_options, start_run
 from distlm.models.loss import ModelInputs, summed_cross_entropy
 from distlm.training.stats import TrainStats, document_attention_flops, mfu_inputs
 from distlm.observe.printer import significant
@@ -30,7 +32,9 @@ from distlm.observe.observer import Observer, check_observe_settings, start_log_
 from distlm.training.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
 from distlm.training.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
+from distlm.models.flops import count_parameters
 from distlm.parallel.api import parallelize
+from distlm.parallel.handle import DataParallelHandle
 from distlm.state.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
@@ -38,7 +42,7 @@ from distlm.training.python_api import naming_config_fields, prepare_config
 from distlm.training.run_description import describe_run, tokenizer_writer
 from distlm.runtime.signals import StopSignals
 from distlm.training.start_log import choose_document_attention, log_start, pipeline_stage_sizes
-from distlm.training.step import train_step
+from distlm.training.step import Update, UpdateSettings
 
 logger = logging.getLogger("distlm")
 
@@ -63,12 +67,12 @@ class Trainer:
         start_log_file(config)  # the start-up lines go to --log-file too
         if dist is None:
             start = start_run(config, model)
-            self.ctx, self.spec = start.context, start.spec
         else:
             # A context the caller made may have checked another config: agree and resolve afresh.
-            self.ctx = dist
-            check_ranks_agree(config, self.ctx.all_gather_object)
-            self.spec = None if model is not None else resolve_model_spec(config.model, config.data.tokens_per_sample)
+            check_ranks_agree(config, dist.all_gather_object)
+            start = Start(dist, None if model is not None else resolve_model_spec(config.model,
+                                                                                  config.data.tokens_per_sample))
+        self.ctx, self.spec = start.context, start.spec
         self.task = config.data.task or (model.task if model is not None else self.spec.task)
         self.arch = self.spec.name if model is None else type(model).__name__
         # Each rank checks the ids of its share of every split's file, and all learn every verdict.
@@ -87,21 +91,11 @@ class Trainer:
         dictionary = getattr(self.data, "dictionary", None)
         self.pad_id = dictionary.pad() if dictionary is not None else model.padding_idx
         vocabulary = choose_vocabulary(self.spec, dictionary, config.model) if model is None else None
-        vocab = vocabulary.size if vocabulary else 0
-        # The model is allocated here; the allocator's error becomes one line with the need.
-        with naming_out_of_memory("building the model", lambda: self._state_need(
-                model if model is not None else self.spec.build(vocab, self.pad_id)), BUILD_REMEDY):
-            build = build_model_for_run(
-                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
-                config.seed, model, weights_from_checkpoint=resume is not None and not config.checkpoint.load_partial,
-            )
-            self.model_inputs = ModelInputs.of(build.model, self.task)
-            self.fixed_length = config.data.tokens_per_sample if (
-                config.compile.compile or self.ctx.backend.static_shapes or self.ctx.dims.pp_enabled) else None
-            """Batches padded to this length, so compiled or traced graphs (and pipeline stages) see one shape."""
-            self.model, self.handle = parallelize(build.model, self.ctx.dims, self.ctx.device,
-                                                  parallel_options(config, self.ctx), build.whole_model,
-                                                  build.fill_shards)
+        self.fixed_length = config.data.tokens_per_sample if (
+            config.compile.compile or self.ctx.backend.static_shapes or self.ctx.dims.pp_enabled) else None
+        """Batches padded to this length, so compiled or traced graphs (and pipeline stages) see one shape."""
+        self.model, self.handle = self._build_model(model, start.model, vocabulary.size if vocabulary else 0,
+                                                    resume is not None and not config.checkpoint.load_partial)
         self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
@@ -112,20 +106,26 @@ class Trainer:
         self.sampler = training_sampler(config, self.data, self.ctx.dp_rank, self.ctx.dims.dp, self.fixed_length,
                                         self.ctx.is_main)
         self.validator = Validator(config, self.ctx, subsets, self.compute_loss, self.handle.loss_context,
-                                   self.handle.local_loss, self._autocast, self.fixed_length,
+                                   self.handle.local_loss, self.autocast, self.fixed_length,
                                    self.model_inputs.masked_positions, (self.data, self.sampler))
         self.schedule = LRSchedule(config.optim, updates_in_run=self.sampler.updates_in_epochs(config.optim.max_epoch))
         self.progress = TrainProgress()
         self.states = {**training_states(self.model, self.optimizer, self.precision.scaler, self.progress,
                                          self.ctx.rank), **(states or {})}
         """What a checkpoint holds, by name (``torch.distributed.checkpoint.stateful.Stateful`` objects)."""
-        self.last_memory: dict[str, int] = {}
         self.resumed_at: int | None = None
         """The update this run resumed at; None for a fresh start."""
         self.stop = StopSignals()
         """SIGTERM, SIGINT and SIGUSR1 while ``fit`` runs: every rank stops at one update and saves."""
         self.stop_saved: list[str] = []
         """The checkpoint names saved when a stop signal ended the run."""
+        self.update = Update(
+            self.ctx, self.model, self.handle, self.optimizer, self.precision, self.schedule, self.progress,
+            self.sampler, self.stop, self.observer,
+            UpdateSettings(config.optim.clip_norm, config.logging.log_interval, config.distributed.check_replicas),
+            # Through the trainer, so that a subclass or test replacing one of its methods reaches the update.
+            lambda batch: self.compute_loss(batch), lambda: self.autocast(), lambda: self.finished(), self.pipeline)
+        """One update over this rank's micro-batches (distlm/training/step.py)."""
         if resume is not None:
             self.checkpointer.load(resume, self.states, config.seed, config.to_dict())
             self.resumed_at = self.progress.num_updates
@@ -133,6 +133,22 @@ class Trainer:
             # Dropout differs per data-parallel replica, yet reproducibly; the tensor-parallel
             # ranks of one replica must draw the same masks in their replicated regions.
             seed_dropout(config.seed, self.ctx.dp_rank)
+
+    def _build_model(self, model: torch.nn.Module | None, checked: torch.nn.Module | None, vocab: int,
+                     weights_from_checkpoint: bool) -> tuple[torch.nn.Module, DataParallelHandle]:
+        """The model of the run, parallelised: the user's ``model``, or the spec's, built from the
+        meta model start-up ``checked`` where that has the run's vocabulary. The allocator's error
+        while the model is allocated becomes one line with the need."""
+        need = (count_parameters(dataclasses.replace(self.spec.config, vocab_size=vocab)) if self.spec is not None
+                else sum(p.numel() for p in model.parameters()))
+        with naming_out_of_memory("building the model", lambda: self._state_need(need), BUILD_REMEDY):
+            build = build_model_for_run(
+                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
+                self.config.seed, model, checked, weights_from_checkpoint=weights_from_checkpoint)
+            # Read from the single-device model's signature, before any wrapper hides it.
+            self.model_inputs = ModelInputs.of(build.model, self.task)
+            return parallelize(build.model, self.ctx.dims, self.ctx.device, parallel_options(self.config, self.ctx),
+                               build.whole_model, build.fill_shards)
 
     # ----------------------------------------------------------------------- loop
 
@@ -158,19 +174,19 @@ class Trainer:
         stats = TrainStats(self.ctx.device, *mfu_inputs(
             unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
             self.precision.autocast_dtype or self.precision.param_dtype,
-            cfg.data.mask_prob if self.task == "masked_lm" else 1.0, cfg.data.document_mask), self.ctx.world_size,
+            task_of(self.task).output_fraction(cfg.data.mask_prob), cfg.data.document_mask), self.ctx.world_size,
             document_attention_flops(unwrap(self.model), cfg.data.document_mask))
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
         stop = False
         try:
-            while not (stop or self._done()):
+            while not (stop or self.finished()):
                 # Everything one update does, collectives of logging and saving included.
                 number = self.progress.num_updates + 1
                 with self.ctx.naming_failed_collectives(number), naming_out_of_memory(
                         f"in update {number}", self._step_need, STEP_REMEDY), self.observer.update(number):
-                    stop = self._update(self.observer.next_batch(batches), stats, printer)
+                    stop = self._run_update(self.observer.next_batch(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
                     compiling = None
@@ -192,7 +208,7 @@ class Trainer:
             self.ctx.close()
         return final
 
-    def _update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Observer) -> bool:
+    def _run_update(self, micro_batches: list[dict[str, Any]], stats: TrainStats, printer: Observer) -> bool:
         """Train, log, validate and save what one update calls for; True to stop early."""
         started = time.perf_counter()
         epoch_before = self.sampler.epoch_of(self.progress.consumed_samples)
@@ -206,7 +222,7 @@ class Trainer:
         # The first line comes at the run's first update (as torchtitan's at step 1): a user sees
         # the loss within seconds, not after --log-interval updates.
         due = self.progress.num_updates % self.config.logging.log_interval == 0 or stats.first is None
-        if (applied and due) or self._done():
+        if (applied and due) or self.finished():
             self.summary = {"update": self.progress.num_updates, **stats.reduce(self.ctx.dp_group), **record,
                             "gnorm": significant(record["gnorm"], 5),
                             "train_wall": significant(self.progress.train_wall, 5),
@@ -219,7 +235,7 @@ class Trainer:
             self.stop_saved = self.checkpointer.due(self.progress.num_updates, ended, done=True)
             self.save_checkpoint(self.stop_saved)
             return True
-        if applied or ended is not None or self._done():
+        if applied or ended is not None or self.finished():
             return self._validate_and_save(ended, printer)
         return False
 
@@ -233,7 +249,7 @@ class Trainer:
 
     def _validate_and_save(self, end_of_epoch: int | None, printer: Observer) -> bool:
         """Validate and save what is due after an update; True when patience has run out."""
-        done, stop, improved = self._done(), False, False
+        done, stop, improved = self.finished(), False, False
         if self.validator.due(self.progress.num_updates, end_of_epoch, done):
             with self.ctx.naming_failed_collectives(self.progress.num_updates):
                 results = self.validator.validate(self.model)
@@ -257,7 +273,8 @@ class Trainer:
                                describe_run(self.config, self.data, self.model, self.spec, self.observer.run_ids()),
                                tokenizer_writer(self.data, self.task))
 
-    def _done(self) -> bool:
+    def finished(self) -> bool:
+        """Whether the run is over: --max-update updates applied, or --max-epoch epochs consumed."""
         cfg = self.config.optim
         if cfg.max_update and self.progress.num_updates >= cfg.max_update:
             return True
@@ -265,23 +282,28 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> dict[str, Any]:
         """One update over this rank's ``--update-freq`` micro-batches (distlm/training/step.py)."""
-        return train_step(self, micro_batches)
+        return self.update(micro_batches)
+
+    @property
+    def last_memory(self) -> dict[str, int]:
+        """Bytes this rank held at the last logged update."""
+        return self.update.last_memory
 
     def stop_line(self) -> str:
         """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
         return self.stop.describe_stop(self.progress.num_updates, self.checkpointer.save_dir,
                                        self.stop_saved if self.checkpointer.enabled else None)
 
-    def _state_need(self, model: torch.nn.Module) -> str:
+    def _state_need(self, parameters: int) -> str:
         dims = self.ctx.dims
-        return describe_state_need(sum(p.numel() for p in model.parameters()), dims.strategy, dims.dp, dims.tp)
+        return describe_state_need(parameters, dims.strategy, dims.dp, dims.tp, self.config.precision_mode)
 
     def _step_need(self) -> str:
         data = self.config.data
-        return (f"{self._state_need(self.model)}, plus the activations of --batch-size {data.batch_size} x "
-                f"--tokens-per-sample {data.tokens_per_sample} tokens")
+        return (f"{self._state_need(sum(p.numel() for p in self.model.parameters()))}, plus the activations of "
+                f"--batch-size {data.batch_size} x --tokens-per-sample {data.tokens_per_sample} tokens")
 
-    def _autocast(self):
+    def autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""
         return self.precision.autocast(self.ctx.backend.autocast_device_type,
                                        enabled=not self.handle.mixed_precision_by_strategy)

@@ -22,6 +22,7 @@ from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims, validate_ranks_per_node
 from distlm.models.contract import check_model
+from distlm.models.registry import task_of
 from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
@@ -47,9 +48,10 @@ def validate(
 
 def validate_run(
     config: TrainConfig, env: ClusterEnv, backend: Backend, model: torch.nn.Module | None = None
-) -> tuple[ParallelDims, ModelSpec | None]:
-    """``validate``, also returning the spec of ``--arch``/``--init-from-hf`` it checked (None
-    for the user's own model), so that a run resolves it once."""
+) -> tuple[ParallelDims, ModelSpec | None, torch.nn.Module | None]:
+    """``validate``, also returning the spec of ``--arch``/``--init-from-hf`` it checked and the
+    meta model it checked (None for the user's own model), so that a run resolves the spec once
+    and builds from that model where its vocabulary is the run's."""
     check_settings(config)
     settings = config.distributed
     dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, pp=settings.pp_degree,
@@ -64,8 +66,8 @@ def validate_run(
     if model is not None:
         check_model(model)
         check_model_fits(model, config, dims)
-        return dims, None
-    return dims, check_arch_fits(config, dims)
+        return dims, None, None
+    return (dims, *check_arch_fits(config, dims))
 
 
 # fp16 this many times slower than fp32 is refused: a run would take hours instead of minutes.
@@ -163,7 +165,7 @@ def check_model_fits(model: torch.nn.Module, config: TrainConfig, dims: Parallel
 def check_document_mask(model: torch.nn.Module, config: TrainConfig, dims: ParallelDims, name: str) -> None:
     """--document-mask needs a causal LM whose forward takes ``document_ids``."""
     task = config.data.task or getattr(model, "task", None)
-    if task != "causal_lm":
+    if not task_of(task).attends_causally:
         raise UsageError(f"--document-mask is for causal_lm packing; {name} trains {task}, drop --document-mask")
     if "document_ids" not in inspect.signature(model.forward).parameters:
         raise UsageError(f"--document-mask needs a model whose forward takes document_ids; {name}'s does not, "
@@ -175,9 +177,10 @@ def check_document_mask(model: torch.nn.Module, config: TrainConfig, dims: Paral
                          "drop one of them")
 
 
-def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> ModelSpec:
+def check_arch_fits(config: TrainConfig, dims: ParallelDims) -> tuple[ModelSpec, torch.nn.Module]:
     """``check_model_fits`` for ``--arch`` or ``--init-from-hf``, before any data or rendezvous;
-    returns the spec it checked."""
+    returns the spec and the meta model it checked."""
     spec = resolve_model_spec(config.model, config.data.tokens_per_sample)
-    check_model_fits(spec.build(spec.config.vocab_size or _CHECK_VOCAB_SIZE, 1), config, dims, arch=spec.name)
-    return spec
+    model = spec.build(spec.config.vocab_size or _CHECK_VOCAB_SIZE, 1)
+    check_model_fits(model, config, dims, arch=spec.name)
+    return spec, model

@@ -3,8 +3,9 @@ tensor by tensor, so an 8B model streams with one tensor in memory and a rank ca
 only the tensors (or rows) it holds.
 
 One ``HFAdapter`` per model (``hf/common.py``), the single place where its mapping details
-live: ``hf/llama.py`` (LlamaForCausalLM), ``hf/roberta.py`` (RobertaForMaskedLM) and
-``hf/moe.py`` (Qwen3MoeForCausalLM, MixtralForCausalLM).
+live, in its family's folder: ``llama/hf.py`` (LlamaForCausalLM), ``roberta/hf.py``
+(RobertaForMaskedLM) and ``moe/hf.py`` (Qwen3MoeForCausalLM, MixtralForCausalLM); the families'
+records (``distlm.models.registry``) list them.
 
 Names are the single-device model's (``model.state_dict()`` keys of an unwrapped model).
 ``load_hf_model`` and ``write_hf_directory`` below put the pieces together; ``io`` reads
@@ -22,14 +23,14 @@ import torch
 from torch import nn
 
 from distlm.errors import UsageError
-from distlm.models.hf import io, llama, moe, roberta
+from distlm.models import registry
+from distlm.models.hf import io
 from distlm.models.hf.common import Fetch, HFAdapter, Region, SpecialTokens, refuse
 
 logger = logging.getLogger("distlm")
 
 ADAPTERS: dict[str, HFAdapter] = {
-    adapter.model_type: adapter
-    for adapter in (llama.ADAPTER, roberta.ADAPTER, moe.QWEN3_MOE_ADAPTER, moe.MIXTRAL_ADAPTER)
+    adapter.model_type: adapter for family in registry.families().values() for adapter in family.hf_adapters
 }
 
 __all__ = [

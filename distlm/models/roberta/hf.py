@@ -62,7 +62,8 @@ from distlm.models.hf.common import (
     require,
     setting,
 )
-from distlm.models.roberta import RobertaConfig, RobertaMaskedLM
+from distlm.models.roberta.config import RobertaConfig
+from distlm.models.roberta.model import RobertaMaskedLM
 
 MODEL_TYPE = "roberta"
 ARCHITECTURE = "RobertaForMaskedLM"

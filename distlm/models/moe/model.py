@@ -1,6 +1,6 @@
 """Mixture-of-experts causal language model (Qwen3-MoE / Mixtral layout, DeepSeek-V3's router as an option).
 
-Llama's blocks (distlm/models/llama.py: grouped-query attention, rotary embeddings,
+Llama's blocks (distlm/models/llama/model.py: grouped-query attention, rotary embeddings,
 RMSNorm) with the feed-forward of every ``moe_every``-th block replaced by a
 mixture of ``n_experts`` SwiGLU experts, of which each token uses ``top_k``:
 
@@ -41,85 +41,17 @@ gate and up projections stacked, ``[E, 2F, D]``) and ``feed_forward.experts.down
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlm.choices import MOE_ROUTERS
-from distlm.errors import UsageError
-from distlm.models.llama import LlamaAttention, LlamaBlock, LlamaCausalLM, LlamaConfig, LlamaFeedForward
-
-ROUTERS = MOE_ROUTERS
+from distlm.models.llama.model import LlamaAttention, LlamaBlock, LlamaCausalLM, LlamaFeedForward
+from distlm.models.moe.config import MoEConfig
 
 
-@dataclass
-class MoEConfig(LlamaConfig):
-    n_experts: int = 8
-    """Routed experts in each MoE layer (Hugging Face's num_experts / num_local_experts)."""
-    top_k: int = 2
-    """Experts each token is routed to (num_experts_per_tok)."""
-    moe_ffn_dim: int | None = None
-    """Hidden size of each expert's SwiGLU (moe_intermediate_size); None: the dense ``ffn_hidden_dim``."""
-    moe_every: int = 1
-    """Block i is an MoE block when (i + 1) is a multiple of this (decoder_sparse_step); the
-    others keep Llama's dense feed-forward of ``ffn_hidden_dim``."""
-    n_shared_experts: int = 0
-    """Experts every token passes through besides its routed ones (DeepSeek-V3: 1), as one
-    SwiGLU of ``n_shared_experts * moe_ffn_dim``."""
-    router: str = "softmax"
-    """``softmax`` (Qwen3-MoE, Mixtral) or ``sigmoid`` (DeepSeek-V3): see ``ROUTERS``."""
-    norm_topk_prob: bool = True
-    """Divide the chosen experts' weights by their sum (Qwen3-MoE norm_topk_prob; Mixtral always does)."""
-    route_scale: float = 1.0
-    """The routed experts' weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
-    aux_loss_coef: float = 0.0
-    """Coefficient of the load-balancing loss (router_aux_loss_coef); 0: none."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): after each update every expert's selection
-    bias moves by this towards an even load (up when under-loaded); 0: never."""
-    qk_norm: bool = False
-    """RMSNorm each query and key head before the rotary embedding (Qwen3)."""
 
-    @property
-    def expert_ffn_dim(self) -> int:
-        return self.moe_ffn_dim if self.moe_ffn_dim is not None else self.ffn_hidden_dim
-
-    @property
-    def uses_expert_bias(self) -> bool:
-        """Whether the router holds a selection bias: the sigmoid router's, or the one the
-        auxiliary-loss-free balancing moves."""
-        return self.router == "sigmoid" or self.bias_update_rate > 0
-
-    def is_moe_layer(self, index: int) -> bool:
-        return (index + 1) % self.moe_every == 0
-
-    @property
-    def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(index) for index in range(self.n_layers))
-
-    def validate(self) -> None:
-        super().validate()
-        for name in ("n_experts", "top_k", "moe_every"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"model setting {name}={getattr(self, name)} must be positive")
-        if self.top_k > self.n_experts:
-            raise UsageError(f"model setting top_k={self.top_k} exceeds n_experts={self.n_experts}; "
-                             "a token cannot use more experts than there are")
-        if self.moe_ffn_dim is not None and self.moe_ffn_dim <= 0:
-            raise UsageError(f"model setting moe_ffn_dim={self.moe_ffn_dim} must be positive (or None)")
-        if self.n_moe_layers == 0:
-            raise UsageError(f"model setting moe_every={self.moe_every} leaves none of the {self.n_layers} layers "
-                             "a mixture of experts; lower it to at most n_layers")
-        if self.router not in ROUTERS:
-            raise UsageError(f"model setting router={self.router!r} is unknown; choose one of: {', '.join(ROUTERS)}")
-        for name in ("n_shared_experts", "aux_loss_coef", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"model setting {name}={getattr(self, name)} must not be negative")
-        if self.route_scale <= 0:
-            raise UsageError(f"model setting route_scale={self.route_scale} must be positive")
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -453,15 +385,3 @@ def finish_update(model: nn.Module, applied: bool) -> dict[str, Any]:
     return {"aux_loss": aux_value, "load_imbalance": imbalance_value, "dropped_tokens": 0}
 
 
-def moe_parameter_counts(config: MoEConfig) -> tuple[int, int]:
-    """(total, active) parameters of the model ``config`` builds: active are those a token
-    uses, its top-k of each layer's routed experts instead of all of them (tied weights once)."""
-    d, hidden = config.dim, config.expert_ffn_dim
-    per_expert = 3 * d * hidden
-    with torch.device("meta"):
-        total = sum(p.numel() for p in MoECausalLM(dataclasses.replace(config, vocab_size=max(config.vocab_size, 1)))
-                    .parameters())
-    if config.vocab_size <= 0:
-        total -= d * (1 if config.tie_word_embeddings else 2)
-    inactive = config.n_moe_layers * (config.n_experts - config.top_k) * per_expert
-    return total, total - inactive
