@@ -11,6 +11,7 @@ communication that compute did not hide.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -254,11 +255,12 @@ def measure_strategy(
     batches = [next(loader) for _ in range(max(1, min(spec.steps, 4)))]
     clock = UpdateClock(trainer)
     communicates = ctx.dims.dp_enabled
+    never_logged = trainer.update.settings
     for index in range(spec.warmup_steps):
-        if index == spec.warmup_steps - 1:
-            trainer.config.logging.log_interval = 1  # the trainer measures memory on logged updates
+        if index == spec.warmup_steps - 1:  # an update measures memory when it is logged
+            trainer.update.settings = dataclasses.replace(never_logged, log_interval=1)
         timed_update(trainer, batches[index % len(batches)], clock)
-        trainer.config.logging.log_interval = _NEVER
+        trainer.update.settings = never_logged
     if communicates:
         with communication_off(trainer):  # first allocations of the gathered parameters
             timed_update(trainer, batches[0], clock)
