@@ -65,11 +65,6 @@ The reducers, the planner's cost and parity's tolerance all read the kind here."
 COMM_HOOKS = tuple(COMM_HOOK_KINDS)
 """The names of ``--comm-hook``."""
 
-
-def comm_hook_wire_dtype(comm_hook: str) -> str | None:
-    """The half type ``comm_hook`` rounds gradients to on the wire; None for full precision."""
-    return COMM_HOOK_KINDS[comm_hook].wire_dtype
-
 COMM_TRANSPORTS = ("torch", "mpi")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -90,11 +85,6 @@ PP_LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 
 PP_ZERO_BUBBLE_SCHEDULES = ("zero-bubble", "zbv")
 """The schedules that split backward into its input and weight parts."""
-
-
-def pp_microbatches(asked: int | None, degree: int) -> int:
-    """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
-    return asked or 2 * degree
 
 
 LOG_FORMATS = ("json", "simple", "tqdm")
