@@ -87,8 +87,8 @@ class PipelineLayout:
 class Layout:
     """The run's layout: degrees, data-parallel strategy and communication, nodes, pipeline.
 
-    Field names are ``DistributedConfig``'s (the pipeline's with its ``pp_`` prefix), and
-    their defaults are the command line's."""
+    Field names are ``DistributedConfig``'s (the pipeline's with its ``pp_`` prefix), whose
+    fields take their defaults from here."""
 
     dp_degree: int = -1
     """Data-parallel ranks; -1: whatever the tensor- and pipeline-parallel degrees leave of the world."""
