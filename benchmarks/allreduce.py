@@ -43,6 +43,7 @@ import torch.distributed as dist
 from distlm.backends.cpu import CpuBackend
 from distlm.launch.detect import detect_launch
 from distlm.launch.mpi import resolve_master_via_mpi
+from distlm.mesh import ParallelDims
 from distlm.parallel import comm_hooks
 from distlm.errors import exit_without_teardown
 
@@ -101,7 +102,8 @@ def bench_collectives(sizes, quick, ranks_per_node, factory=None, methods=METHOD
     world = dist.get_world_size()
     reducers = {
         m: comm_hooks.build_reducer(
-            KIND_OF[m], None, ranks_per_node=ranks_per_node, device_type="cpu", inter_transport_factory=factory
+            KIND_OF[m], None, dims=ParallelDims(world_size=world, ranks_per_node=ranks_per_node), device_type="cpu",
+            inter_transport_factory=factory,
         )
         for m in methods
     }
@@ -208,12 +210,13 @@ def main() -> None:
         # mpi: the transport's default (blocking Allreduce on its thread); mpi-nb: Iallreduce.
         rows = []
         world_reducers = {}
+        simulated_nodes = ParallelDims(world_size=dist.get_world_size(), ranks_per_node=ranks_per_node)
         for method, label, factory in (
             ("plain", "/gloo", None), ("plain", "/mpi", mpi_factory), ("plain", "/mpi-nb", mpi_nonblocking),
             ("fp16", "/gloo", None), ("fp16", "/mpi", mpi_factory),
         ):
             world_reducers[method + label] = comm_hooks.build_reducer(
-                KIND_OF[method], None, ranks_per_node=ranks_per_node, device_type="cpu", inter_transport_factory=factory
+                KIND_OF[method], None, dims=simulated_nodes, device_type="cpu", inter_transport_factory=factory,
             )
         for size in sizes:
             torch.manual_seed(dist.get_rank())

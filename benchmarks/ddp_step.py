@@ -69,7 +69,8 @@ def raw_ddp_loop(trainer: Trainer, bucket_cap_mb: float, kernel: str = "foreach"
 
 def mpi_transport_step(trainer: Trainer):
     """distlm's own update on a second DDP replica of the model whose buckets go through mpi4py."""
-    options = dataclasses.replace(parallel_options(trainer.config, trainer.ctx), comm_transport="mpi")
+    options = parallel_options(trainer.config, trainer.ctx)
+    options = dataclasses.replace(options, layout=dataclasses.replace(options.layout, comm_transport="mpi"))
     model, handle = parallelize(copy.deepcopy(unwrap(trainer.model)), trainer.ctx.dims, trainer.ctx.device, options)
     optimizer = handle.build_optimizer(AdamWSettings.from_config(trainer.config.optim), torch.float32)
 

@@ -47,7 +47,8 @@ from distlm.errors import (
 from distlm.models.loss import summed_cross_entropy
 from distlm.models.flops import model_shape
 from distlm.plan.calibrate import Calibration, optimizer_bandwidth, update_flops
-from distlm.plan.model import Layout, Workload, load_cluster, project
+from distlm.layout import Layout, PipelineLayout
+from distlm.plan.model import Placement, Workload, load_cluster, project
 from distlm.training.trainer import Trainer
 
 SCHEDULES = {
@@ -116,16 +117,15 @@ def planner_predictions(shape, args, world_size: int, compute_s: float, optimize
         threads_per_rank=torch.get_num_threads(), host_cores=host_cores(),
     )
     cluster = calibration.apply(load_cluster("local", ranks_per_node=world_size))
-    layout = Layout(nodes=1, ranks_per_node=world_size, pp=world_size)
     projections = {}
     for name, flags in SCHEDULES.items():
-        workload = Workload(
-            shape=shape, tokens_per_sample=args.tokens_per_sample, batch_size=args.batch_size,
-            pp_schedule=name, pp_microbatches=args.microbatches,
-            pp_stages_per_rank=int(flags[flags.index("--pp-stages-per-rank") + 1])
-            if "--pp-stages-per-rank" in flags else None,
-        )
-        projections[name] = project(workload, cluster, layout)
+        stages_per_rank = (int(flags[flags.index("--pp-stages-per-rank") + 1]) if "--pp-stages-per-rank" in flags
+                           else PipelineLayout.stages_per_rank)
+        layout = Layout(pp_degree=world_size, pipeline=PipelineLayout(
+            schedule=name, microbatches=args.microbatches, stages_per_rank=stages_per_rank))
+        workload = Workload(shape=shape, layout=layout, tokens_per_sample=args.tokens_per_sample,
+                            batch_size=args.batch_size)
+        projections[name] = project(workload, cluster, Placement(nodes=1, ranks_per_node=world_size, layout=layout))
     notes = [
         f"calibrated from one process's update: {achieved / 1e9:.1f} GFLOP/s achieved, optimizer step at "
         f"{cluster.memory_bandwidth_Bps / 1e9:.2f} GB/s",

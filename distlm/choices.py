@@ -7,6 +7,8 @@ Nothing here imports torch: the command line parses before anything heavy loads.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 TASKS = ("masked_lm", "causal_lm")
 """Training objectives; each model declares one as its ``task``."""
 
@@ -40,19 +42,28 @@ planned as neuron: the same NeuronCores)."""
 
 NETWORKS = ("auto", "efa", "tcp")
 
-COMM_HOOKS = ("allreduce", "fp16", "bf16", "hierarchical", "hierarchical-fp16")
-"""Gradient reduction algorithms of ``--comm-hook`` (parallel/comm_hooks.py)."""
+class CommHook(NamedTuple):
+    """What a ``--comm-hook`` is: its shape and what it sends."""
 
-COMM_HOOK_WIRE_DTYPES = {"fp16": "fp16", "bf16": "bf16", "hierarchical-fp16": "fp16"}
-"""The comm hooks that send gradients in a half type (``hierarchical-fp16`` between nodes
-only), and its name in ``precision.DTYPES``; the others send the gradients' own dtype.
-The reducers, the planner's cost and parity's tolerance all read it here."""
+    hierarchical: bool
+    """Reduce inside each node first, then between the nodes' leaders (or one flat all-reduce)."""
+    wire_dtype: str | None
+    """The half type gradients are rounded to on the wire (between nodes only, for a
+    hierarchical hook), by its name in ``precision.DTYPES``; None sends the gradients' own dtype."""
 
 
-def comm_hook_wire_dtype(comm_hook: str) -> str | None:
-    """The half type ``comm_hook`` rounds gradients to on the wire; None for full precision."""
-    return COMM_HOOK_WIRE_DTYPES.get(comm_hook)
+COMM_HOOK_KINDS: dict[str, CommHook] = {
+    "allreduce": CommHook(hierarchical=False, wire_dtype=None),
+    "fp16": CommHook(hierarchical=False, wire_dtype="fp16"),
+    "bf16": CommHook(hierarchical=False, wire_dtype="bf16"),
+    "hierarchical": CommHook(hierarchical=True, wire_dtype=None),
+    "hierarchical-fp16": CommHook(hierarchical=True, wire_dtype="fp16"),
+}
+"""Each gradient reduction algorithm of ``--comm-hook`` (parallel/comm_hooks.py) and its kind.
+The reducers, the planner's cost and parity's tolerance all read the kind here."""
 
+COMM_HOOKS = tuple(COMM_HOOK_KINDS)
+"""The names of ``--comm-hook``."""
 
 COMM_TRANSPORTS = ("torch", "mpi")
 
@@ -74,11 +85,6 @@ PP_LOOPED_SCHEDULES = ("interleaved-1f1b", "zero-bubble", "zbv")
 
 PP_ZERO_BUBBLE_SCHEDULES = ("zero-bubble", "zbv")
 """The schedules that split backward into its input and weight parts."""
-
-
-def pp_microbatches(asked: int | None, degree: int) -> int:
-    """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
-    return asked or 2 * degree
 
 
 LOG_FORMATS = ("json", "simple", "tqdm")

@@ -26,6 +26,7 @@ from typing import Any, Sequence, get_type_hints
 
 from distlm.choices import CHOICES
 from distlm.errors import OneLineErrorParser, UsageError, did_you_mean
+from distlm.layout import Layout, PipelineLayout
 from distlm.models import registry
 
 
@@ -268,46 +269,48 @@ class PrecisionConfig:
 
 @dataclass
 class DistributedConfig:
+    """Where and how the ranks run; the layout's settings take their defaults from ``distlm.layout.Layout``."""
+
     device: str = "auto"
     """Hardware: auto picks what is present."""
     cpu: bool = False
     """Same as --device cpu (fairseq --cpu)."""
-    strategy: str = "ddp"
+    strategy: str = Layout.strategy
     """Data-parallel strategy: ddp (replicated), fsdp (FSDP2, fully sharded) or zero1 (optimizer state sharded)."""
-    tp_degree: int = 1
+    tp_degree: int = Layout.tp_degree
     """Tensor-parallel degree: ranks that split each layer; they see the same batch."""
-    dp_degree: int = -1
+    dp_degree: int = Layout.dp_degree
     """Data-parallel degree; default (-1): whatever --tp-degree and --pp-degree leave of the world size."""
-    pp_degree: int = 1
+    pp_degree: int = Layout.pp_degree
     """Pipeline-parallel degree: ranks that each hold a stage (a run of blocks) of the model."""
-    ep_degree: int = 1
+    ep_degree: int = Layout.ep_degree
     """Expert-parallel degree: ranks, carved out of the data-parallel ones, that split each MoE layer's
     experts between them; tokens travel to their experts' ranks and back (all-to-all)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = PipelineLayout.schedule
     """Pipeline schedule: gpipe|1f1b|interleaved-1f1b|zero-bubble|zbv (the last three want --pp-stages-per-rank 2+)."""
-    pp_microbatches: int = 0
+    pp_microbatches: int = PipelineLayout.microbatches
     """Pipeline micro-batches each --batch-size batch is split into (0: 2 x --pp-degree); must divide the batch."""
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = PipelineLayout.stages_per_rank
     """Stages each rank holds, for the looped schedules (interleaved-1f1b, zero-bubble, zbv)."""
-    pp_split: str | None = None
+    pp_split: str | None = PipelineLayout.split
     """Blocks of each stage, e.g. 0:12,12:24 (default: balanced by parameter count)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = Layout.sequence_parallel
     """With --tp-degree: also shard norms and dropout regions along the sequence."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = Layout.activation_checkpointing
     """Recompute each transformer block's activations in backward instead of storing them."""
-    cpu_offload: bool = False
+    cpu_offload: bool = Layout.cpu_offload
     """FSDP: keep parameters and optimizer state in host memory (needs an accelerator)."""
     ddp_backend: str | None = None
     """fairseq name for the DDP implementation; c10d (or pytorch_ddp) means --strategy ddp."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = Layout.bucket_cap_mb
     """DDP gradient bucket size in MiB; all-reduce of a full bucket overlaps the rest of backward."""
-    comm_hook: str = "allreduce"
+    comm_hook: str = Layout.comm_hook
     """How each DDP gradient bucket is averaged: allreduce|fp16|bf16|hierarchical|hierarchical-fp16."""
-    double_buffering: bool = False
+    double_buffering: bool = Layout.double_buffering
     """ChainerMN double buffering: update t applies update t-1's averaged gradients while t's are in flight."""
-    ranks_per_node: int | None = None
+    ranks_per_node: int | None = Layout.ranks_per_node
     """Hierarchical hook: simulate nodes of this many consecutive ranks; default: the real nodes."""
-    comm_transport: str = "torch"
+    comm_transport: str = Layout.comm_transport
     """Gradient all-reduce transport: torch (the process group: gloo/NCCL) or mpi (mpi4py, under mpiexec)."""
     network: str = "auto"
     """auto|efa|tcp: efa applies the EFA/NCCL preset (CUDA only); auto applies it when an EFA device exists."""

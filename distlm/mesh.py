@@ -1,13 +1,14 @@
-"""ParallelDims: the one owner of the topology (strategy, degrees, their validation, named meshes).
+"""ParallelDims: the one owner of the topology (strategy, degrees, nodes, their validation, named meshes).
 
 A degree of 1 means that form of parallelism is off. The data-parallel degree is
 whatever the other degrees leave of the world size. Meshes and groups are fetched by
-name, and a rank's coordinates come from here, so strategies never compute rank
+name, and a rank's coordinates and node come from here, so strategies never compute rank
 arithmetic of their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
@@ -17,23 +18,32 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distlm.choices import STRATEGIES
-from distlm.launch.hosts import ranks_by_node
 from distlm.errors import UsageError
+from distlm.launch.hosts import ranks_by_node
+from distlm.layout import Layout, simulated_node_of_rank
 
 
 @dataclass
 class ParallelDims:
+    """The degrees of a run over ``world_size`` ranks and the nodes they run on; validated once."""
+
     world_size: int
-    dp: int = -1
-    tp: int = 1
-    pp: int = 1
+    dp: int = Layout.dp_degree
+    tp: int = Layout.tp_degree
+    pp: int = Layout.pp_degree
     """Pipeline stages: the outermost mesh axis (pp, dp, tp), so a stage's dp x tp ranks are neighbours."""
-    strategy: str = "ddp"
+    strategy: str = Layout.strategy
     """How the data-parallel axis holds the model: ddp (replicas), zero1 (replicas,
     sharded optimizer state) or fsdp (everything sharded)."""
-    ep: int = 1
+    ep: int = Layout.ep_degree
     """Expert parallel: groups of ``ep`` consecutive data-parallel ranks split each MoE layer's
     experts; the ranks at one place in their groups (``ep_replicas`` of them) hold the same experts."""
+    ranks_per_node: int | None = Layout.ranks_per_node
+    """The node axis simulated: nodes of this many consecutive ranks (``--ranks-per-node``);
+    None: the real nodes, ``node_of_rank``."""
+    node_of_rank: tuple[int, ...] | None = None
+    """The node axis: the node each rank really runs on, numbered by each node's lowest rank. The
+    start-up fills it from the hosts it gathers (``on_nodes``); None before, or in dims built by hand."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, init=False, repr=False)
     """Each mesh dimension's group, sliced once: a slice builds a new DeviceMesh every time."""
@@ -63,6 +73,16 @@ class ParallelDims:
         if self.dp % self.ep:
             raise UsageError(f"--ep-degree {self.ep} does not divide the {self.dp} data-parallel ranks it is carved "
                              "out of; choose a divisor of the data-parallel degree")
+
+    @classmethod
+    def from_layout(cls, layout: Layout, world_size: int) -> ParallelDims:
+        """``layout``'s strategy, degrees and simulated nodes over ``world_size`` ranks, validated."""
+        return cls(world_size=world_size, dp=layout.dp_degree, tp=layout.tp_degree, pp=layout.pp_degree,
+                   strategy=layout.strategy, ep=layout.ep_degree, ranks_per_node=layout.ranks_per_node)
+
+    def on_nodes(self, node_of_rank: Sequence[int]) -> ParallelDims:
+        """These dims with the node each rank really runs on (found at start, before any mesh)."""
+        return dataclasses.replace(self, node_of_rank=tuple(node_of_rank))
 
     @property
     def dp_enabled(self) -> bool:
@@ -160,60 +180,47 @@ class ParallelDims:
         return [other for other in range(self.world_size)
                 if self.pp_rank(other) == stage and self.coordinates(other)[1] == tp_rank]
 
+    def node_grid(self) -> list[list[int]]:
+        """The ranks of each node, node by node, each ascending: the (nodes, ranks per node) grid
+        of a hierarchical all-reduce. Simulated nodes of ``ranks_per_node`` consecutive ranks
+        when it is given, else the real ones. UsageError where ``ranks_per_node`` does not divide
+        the world, where no node is known, or where nodes run different numbers of ranks.
+
+        Real nodes need not hold consecutive ranks (``mpiexec --map-by node`` places them round
+        robin), but every node must hold as many: the inter-node groups pair the i-th rank of
+        each node."""
+        if self.ranks_per_node is not None or self.node_of_rank is None:
+            node_of_rank = simulated_node_of_rank(self.ranks_per_node, self.world_size)
+        else:
+            node_of_rank = self.node_of_rank
+        grid = ranks_by_node(node_of_rank)
+        if len({len(ranks) for ranks in grid}) != 1:
+            counts = ", ".join(f"node {i}: {len(ranks)}" for i, ranks in enumerate(grid))
+            raise UsageError(
+                f"--comm-hook hierarchical needs the same number of ranks on every node, found {counts}; "
+                "start as many ranks on each node"
+            )
+        return grid
+
+    def node_groups(self, device_type: str) -> NodeGroups:
+        """Intra- and inter-node groups of ``node_grid`` as a ("node", "local") device mesh; called
+        on every rank together."""
+        grid = self.node_grid()
+        if self.world_size != dist.get_world_size():
+            raise ValueError(f"node groups span all ranks: {self.world_size} != {dist.get_world_size()}")
+        mesh = DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("node", "local"))
+        return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())
+
     def _group(self, mesh: DeviceMesh, name: str) -> dist.ProcessGroup:
         if name not in self._groups:
             self._groups[name] = mesh[name].get_group()
         return self._groups[name]
 
 
-# Nodes, simulated (--ranks-per-node) or real, as a ("node", "local") device mesh: the
-# hierarchical all-reduce reduces inside a node first.
-
-
 class NodeGroups(NamedTuple):
+    """The two process groups of a hierarchical all-reduce, seen from one rank."""
+
     intra: dist.ProcessGroup
     """The ranks of this rank's node."""
     inter: dist.ProcessGroup
     """The ranks with this rank's local rank, one per node."""
-
-
-def validate_ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
-    """The number of nodes; UsageError unless ``ranks_per_node`` divides the world size."""
-    if ranks_per_node is None:
-        raise UsageError("--comm-hook hierarchical needs --ranks-per-node (the number of ranks on each node)")
-    if ranks_per_node < 1 or world_size % ranks_per_node:
-        raise UsageError(
-            f"--ranks-per-node {ranks_per_node} does not divide the world size {world_size}; "
-            "give the number of ranks on each node (every node must run as many)"
-        )
-    return world_size // ranks_per_node
-
-
-def node_groups(ranks_per_node: int, world_size: int, device_type: str = "cpu") -> NodeGroups:
-    """Intra- and inter-node groups of consecutive nodes of ``ranks_per_node`` ranks each
-    (``--ranks-per-node``, which simulates nodes). Called on every rank."""
-    num_nodes = validate_ranks_per_node(ranks_per_node, world_size)
-    return node_groups_of([rank // ranks_per_node for rank in range(world_size)], device_type, num_nodes)
-
-
-def node_groups_of(node_of_rank: Sequence[int], device_type: str = "cpu", num_nodes: int | None = None) -> NodeGroups:
-    """Intra- and inter-node groups from the node each rank really runs on (called on every rank).
-
-    Nodes need not hold consecutive ranks (``mpiexec --map-by node`` places them round
-    robin), but every node must hold as many: the inter-node groups pair the i-th rank
-    of each node.
-    """
-    if len(node_of_rank) != dist.get_world_size():
-        raise ValueError(f"node_groups spans all ranks: {len(node_of_rank)} != {dist.get_world_size()}")
-    grid = ranks_by_node(node_of_rank)
-    sizes = sorted({len(ranks) for ranks in grid})
-    if len(sizes) != 1:
-        counts = ", ".join(f"node {i}: {len(ranks)}" for i, ranks in enumerate(grid))
-        raise UsageError(
-            f"--comm-hook hierarchical needs the same number of ranks on every node, found {counts}; "
-            "start as many ranks on each node"
-        )
-    if num_nodes is not None and len(grid) != num_nodes:
-        raise ValueError(f"expected {num_nodes} nodes, found {len(grid)}")
-    mesh = DeviceMesh(device_type, torch.tensor(grid), mesh_dim_names=("node", "local"))
-    return NodeGroups(intra=mesh["local"].get_group(), inter=mesh["node"].get_group())

@@ -52,6 +52,11 @@ class ModeDtypes:
         """The matmuls' type, the one whose peak FLOP/s an MFU divides by."""
         return dtype_name(self.autocast or self.param)
 
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one element in the matmuls' type: activations, and FSDP's gathered parameters."""
+        return (self.autocast or self.param).itemsize
+
 
 MODE_DTYPES: dict[str, ModeDtypes] = {
     "fp32": ModeDtypes(param=torch.float32, autocast=None, fsdp_reduce=None),

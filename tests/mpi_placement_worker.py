@@ -14,8 +14,9 @@ code in place of its shared-memory split. Every rank writes ``OUT_DIR/rank{R}.js
 * ``simulated``: the layout for each named placement;
 * ``env``: ``resolve_master_via_mpi(detect_launch())`` on the first placement, then
   torch's view of it: a gloo process group started from that ClusterEnv, the hierarchical
-  all-reduce training builds from the membership it found (``DistContext.node_of_rank``,
-  the builder's options, ``comm_hooks.build_reducer``), its intra- and inter-node groups,
+  all-reduce training builds from the membership it found (the start's gathering of every
+  rank's host and node into the dims' node axis, the builder's options,
+  ``comm_hooks.build_reducer``), its intra- and inter-node groups,
   and what all_gather, all_reduce over those groups and the reducer itself return.
 """
 
@@ -38,8 +39,9 @@ def split_by_host(comm, hosts: list[str]):
 
 def torch_view(env) -> dict:
     """A gloo group from ``env``, and the hierarchical all-reduce training builds on it: the
-    membership through ``DistContext.node_of_rank`` and the builder's options, the reducer from
-    ``comm_hooks.build_reducer``; its groups, and what it and all_reduce over them return."""
+    membership through the start's gathering (``place_ranks_by_hosts``) into the dims' node axis
+    and the builder's options, the reducer from ``comm_hooks.build_reducer``; its groups, and
+    what it and all_reduce over them return."""
     import torch
     import torch.distributed as dist
 
@@ -47,16 +49,17 @@ def torch_view(env) -> dict:
     from distlm.training.startup import parallel_options
     from distlm.config import parse_args
     from distlm.runtime.context import DistContext
+    from distlm.runtime.process_group import place_ranks_by_hosts
     from distlm.mesh import ParallelDims
     from distlm.parallel import comm_hooks
 
     backend, timeout = CpuBackend(), datetime.timedelta(seconds=60)
     backend.init_process_group(env, timeout)
-    ctx = DistContext(env=env, backend=backend, device=torch.device("cpu"), dims=ParallelDims(env.world_size),
-                      timeout=timeout)
+    env, node_of_rank, _ = place_ranks_by_hosts(env)
+    ctx = DistContext(env=env, backend=backend, device=torch.device("cpu"),
+                      dims=ParallelDims(env.world_size).on_nodes(node_of_rank), timeout=timeout)
     options = parallel_options(parse_args(["--comm-hook", "hierarchical", "--device", "cpu"]), ctx)
-    reducer = comm_hooks.build_reducer(options.comm_hook, ctx.dp_group, ranks_per_node=options.ranks_per_node,
-                                       node_of_rank=options.node_of_rank, device_type="cpu")
+    reducer = comm_hooks.build_reducer(options.layout.comm_hook, ctx.dp_group, dims=ctx.dims, device_type="cpu")
     intra, inter = reducer.intra_group, reducer.inter.group
     sums = {}
     for name, group in (("intra", intra), ("inter", inter)):

@@ -215,6 +215,7 @@ def job_hierarchical() -> dict:
     """
     import torch.distributed as dist
 
+    from distlm.mesh import ParallelDims
     from distlm.parallel import comm_hooks
     from distlm.parallel.ddp import ddp_hook
     from distlm.parallel.mpi_transport import mpi_transport_factory
@@ -226,7 +227,8 @@ def job_hierarchical() -> dict:
     for kind in ("hierarchical", "hierarchical-fp16"):
         reducers = {
             name: comm_hooks.build_reducer(
-                kind, None, ranks_per_node=2, device_type="cpu", inter_transport_factory=factory
+                kind, None, dims=ParallelDims(world_size=world, ranks_per_node=2), device_type="cpu",
+                inter_transport_factory=factory,
             )
             for name, factory in (("mpi", mpi_factory), ("gloo", None))
         }

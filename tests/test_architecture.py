@@ -1,10 +1,11 @@
-"""The shape of the code: one home per set of choices, no cycle-hiding imports, the model
-contract checked in one line, and one host synchronisation per update."""
+"""The shape of the code: one home per set of choices and per default of the run's layout, no
+cycle-hiding imports, the model contract checked in one line, and one host synchronisation per update."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,10 @@ import torch
 import distlm
 from distlm import choices
 from distlm.backends.registry import BACKENDS
-from distlm.config import build_parser, parse_args
+from distlm.config import DistributedConfig, build_parser, parse_args
 from distlm.models.llama import ROPE_SCALING_TYPES
 from distlm.errors import UsageError
+from distlm.layout import PIPELINE_PREFIX, Layout, PipelineLayout
 from distlm.training.memory import ZERO_STAGES
 from distlm.parallel.pipeline import SCHEDULES
 from distlm.precision import DTYPES, MODE_DTYPES
@@ -132,6 +134,122 @@ SPECIAL = ("auto", "cpu")
         "distlm/example.py:3 Literal restates PRECISIONS",
         "distlm/example.py:4 dict keys restates PRECISIONS",
         "distlm/example.py:5 collection restates PRECISIONS",
+    ], found
+
+
+def layout_defaults() -> dict[str, tuple[str, object]]:
+    """Setting name -> (where the layout declares it, its default), for every setting of the
+    layout and its pipeline part, the pipeline's under both its own and its ``pp_`` name. None
+    means "not given" wherever it is a default (a tool's own ``--ranks-per-node`` included), so
+    only a concrete default can be restated."""
+    defaults = {}
+    for cls, names in ((Layout, lambda name: [name]), (PipelineLayout, lambda name: [name, PIPELINE_PREFIX + name])):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING and f.default is not None:
+                defaults.update({name: (f"{cls.__name__}.{f.name}", f.default) for name in names(f.name)})
+    return defaults
+
+
+def _literal(node: ast.expr) -> object:
+    """The value of a literal (a one-element list of one too, as a comma-separated flag's
+    default); MISSING for anything computed, such as ``Layout.bucket_cap_mb``."""
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return dataclasses.MISSING
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def _named_defaults(tree: ast.Module):
+    """``(name, value node, kind)`` of every parameter default, class field default (a
+    dataclass's, ``field(default=...)`` included) and argparse ``default=`` (named by its dest)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            positional = node.args.posonlyargs + node.args.args
+            for arg, default in zip(positional[len(positional) - len(node.args.defaults):], node.args.defaults):
+                yield arg.arg, default, "parameter default"
+            for arg, default in zip(node.args.kwonlyargs, node.args.kw_defaults):
+                if default is not None:
+                    yield arg.arg, default, "parameter default"
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
+                    value = item.value
+                    if isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) == \
+                            "field":
+                        value = next((k.value for k in value.keywords if k.arg == "default"), None)
+                    if value is not None:
+                        yield item.target.id, value, "field default"
+        elif isinstance(node, ast.Call):
+            default = next((k.value for k in node.keywords if k.arg == "default"), None)
+            flags = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+            if default is None or not flags:
+                continue
+            dest = next((k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)),
+                        flags[0][2:].replace("-", "_"))
+            yield dest, default, "argparse default"
+
+
+def restated_layout_defaults(sources: dict[str, str] | None = None) -> list[str]:
+    """``path:line KIND NAME=VALUE restates Layout.FIELD`` for every default of the layout written
+    again as a literal outside distlm/layout.py (``sources``: path -> text; default every module
+    of distlm)."""
+    defaults = layout_defaults()
+    if sources is None:
+        sources = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text()
+                   for path in sorted(PACKAGE.rglob("*.py"))}
+    found = []
+    for path, text in sources.items():
+        if path == "distlm/layout.py":
+            continue
+        for name, node, kind in _named_defaults(ast.parse(text)):
+            if name not in defaults:
+                continue
+            home, default = defaults[name]
+            value = _literal(node)
+            # 25 restates 25.0; True never restates 1.
+            if value == default and isinstance(value, bool) == isinstance(default, bool):
+                found.append(f"{path}:{node.lineno} {kind} {name}={value!r} restates {home}")
+    return found
+
+
+def test_every_default_of_the_layout_has_one_home():
+    # The command line's settings are the layout's, with its defaults.
+    config = {f.name: f.default for f in dataclasses.fields(DistributedConfig)}
+    for name, value in Layout().settings().items():
+        assert name in config and config[name] == value, name
+    assert restated_layout_defaults() == []
+
+
+def test_a_restated_layout_default_is_found_as_a_parameter_field_or_flag_default():
+    source = """
+import argparse
+from dataclasses import dataclass, field
+from distlm.layout import Layout
+
+@dataclass
+class Options:
+    bucket_cap_mb: float = 25
+    schedule: str = field(default="1f1b")
+    comm_hook: str = Layout.comm_hook
+
+def apply(model, pp_stages_per_rank=1, *, sequence_parallel: bool = False, tp_degree: int = 2):
+    pass
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dp-degree", type=int, default=-1)
+parser.add_argument("--tp-degree", default=[1])
+parser.add_argument("--pp-microbatches", default=4)
+parser.add_argument("--nodes-per-job", dest="ranks_per_node", default=None)
+"""
+    found = restated_layout_defaults({"distlm/example.py": source})
+    assert found == [
+        "distlm/example.py:8 field default bucket_cap_mb=25 restates Layout.bucket_cap_mb",
+        "distlm/example.py:9 field default schedule='1f1b' restates PipelineLayout.schedule",
+        "distlm/example.py:12 parameter default pp_stages_per_rank=1 restates PipelineLayout.stages_per_rank",
+        "distlm/example.py:12 parameter default sequence_parallel=False restates Layout.sequence_parallel",
+        "distlm/example.py:16 argparse default dp_degree=-1 restates Layout.dp_degree",
+        "distlm/example.py:17 argparse default tp_degree=1 restates Layout.tp_degree",
     ], found
 
 

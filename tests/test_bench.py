@@ -29,7 +29,8 @@ from distlm.models import build_model
 from distlm.plan.calibrate import calibrate, fit_line, read_measurements
 from distlm.config import DataConfig
 from distlm.models.flops import count_parameters, flops_per_token, model_shape, parameter_groups
-from distlm.plan.model import Layout, Workload, load_cluster, project
+from distlm.layout import Layout, PipelineLayout
+from distlm.plan.model import Placement, Workload, load_cluster, project
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"
 # (world size, strategy, pp degree): the pp-2 launch has one replica, so it stands for both strategies.
@@ -165,7 +166,7 @@ def test_calibration_file_is_what_the_planner_fits(sweep):
     one_rank = read_rows(sweep / "calibration.jsonl")[0]
     workload = Workload(shape=model_shape("roberta_tiny", one_rank["vocab_size"]), tokens_per_sample=TOKENS,
                         batch_size=BATCH)
-    projection = project(workload, cluster, Layout(nodes=1, ranks_per_node=1))
+    projection = project(workload, cluster, Placement(nodes=1, ranks_per_node=1))
     assert projection.compute_s == pytest.approx(one_rank["compute_s"], rel=1e-3)
     assert projection.optimizer_s == pytest.approx(one_rank["optimizer_s"], rel=1e-3)
 
@@ -180,9 +181,10 @@ def test_every_point_carries_the_planners_prediction(sweep):
     shape = model_shape("roberta_tiny", rows[0]["vocab_size"])
     for row in rows:
         world_size, strategy, pp_degree = point(row)
-        workload = Workload(shape=shape, strategy=strategy, tokens_per_sample=TOKENS, batch_size=BATCH,
-                            pp_microbatches=PP_MICROBATCHES if pp_degree > 1 else None)
-        projection = project(workload, cluster, Layout(nodes=1, ranks_per_node=world_size, pp=pp_degree))
+        layout = Layout(strategy=strategy, pp_degree=pp_degree, pipeline=PipelineLayout(
+            microbatches=PP_MICROBATCHES if pp_degree > 1 else PipelineLayout.microbatches))
+        workload = Workload(shape=shape, layout=layout, tokens_per_sample=TOKENS, batch_size=BATCH)
+        projection = project(workload, cluster, Placement(nodes=1, ranks_per_node=world_size, layout=layout))
         assert row["predicted_step_time_s"] == pytest.approx(projection.step_time_s, rel=1e-5), point(row)
         assert (projection.pp_bubble_s > 0) == (pp_degree > 1)
         if world_size == 1:
@@ -258,8 +260,9 @@ def test_calibrated_prediction_of_more_ranks_is_composed_as_the_model_says(sweep
             reduce_scatter = all_reduce
         overlap = ranks * threads < cores
         for strategy in ("ddp", "fsdp"):
-            workload = Workload(shape=shape, strategy=strategy, tokens_per_sample=TOKENS, batch_size=BATCH)
-            row = project(workload, cluster, Layout(nodes=1, ranks_per_node=ranks))
+            workload = Workload(shape=shape, layout=Layout(strategy=strategy), tokens_per_sample=TOKENS,
+                                batch_size=BATCH)
+            row = project(workload, cluster, Placement(nodes=1, ranks_per_node=ranks))
             assert row.compute_slowdown == pytest.approx(slowdown, rel=1e-3)
             assert row.compute_s == pytest.approx(one_rank["compute_s"] * slowdown, rel=1e-3)
             optimizer = one_rank["optimizer_s"] * memory
@@ -307,8 +310,8 @@ def _communication_off_worker(data: str) -> dict:
     from distlm.training.trainer import Trainer
 
     spec = LaunchSpec(arch="roberta_tiny", strategies=[], batch_size=BATCH, update_freq=1, tokens_per_sample=TOKENS,
-                      precision="fp32", comm_hook="allreduce", tp_degree=1, bucket_cap_mb=25.0, device="cpu",
-                      steps=1, warmup_steps=1, data=data)
+                      precision="fp32", device="cpu", steps=1, warmup_steps=1,
+                      layout=Layout(comm_hook="allreduce", tp_degree=1, bucket_cap_mb=25.0), data=data)
     counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
     for name in counts:  # FSDP2's collectives, called through torch.distributed
         original = getattr(dist, name)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_distributed
-from distlm import mesh
+from distlm.mesh import ParallelDims
 from distlm.errors import UsageError
 from distlm.parallel import comm_hooks as ch
 from distlm.parallel import ddp
@@ -57,6 +57,11 @@ def _rank_data(size: int, rank: int, seed: int) -> torch.Tensor:
     return torch.randn(size, generator=g) * scale
 
 
+def _nodes(ranks_per_node: int | None) -> ParallelDims:
+    """This job's ranks on simulated nodes of ``ranks_per_node`` consecutive ranks (--ranks-per-node)."""
+    return ParallelDims(world_size=dist.get_world_size(), ranks_per_node=ranks_per_node)
+
+
 def _plain_mean(x: torch.Tensor) -> torch.Tensor:
     out = x.clone()
     dist.all_reduce(out)
@@ -68,7 +73,7 @@ def _reducer_cases(kinds: list[tuple[str, str, int | None]], seed: int) -> list[
     rank, _ = _init_done()
     cases = []
     for label, kind, ranks_per_node in kinds:
-        reducer = ch.build_reducer(kind, None, ranks_per_node=ranks_per_node, device_type="cpu")
+        reducer = ch.build_reducer(kind, None, dims=_nodes(ranks_per_node), device_type="cpu")
         for size in SIZES:
             x = _rank_data(size, rank, seed)
             flat = x.clone()
@@ -150,7 +155,7 @@ def _local_grad_max() -> float:
 def _ddp_end_to_end(kinds: list[tuple[str, str, int | None]]) -> dict:
     results = {"none": _train_ddp(), "grad_max": _local_grad_max()}
     for label, kind, ranks_per_node in kinds:
-        reducer = ch.build_reducer(kind, None, ranks_per_node=ranks_per_node, device_type="cpu")
+        reducer = ch.build_reducer(kind, None, dims=_nodes(ranks_per_node), device_type="cpu")
         results[label] = _train_ddp(ddp.ddp_hook(reducer))
     return results
 
@@ -166,7 +171,7 @@ def _double_buffering_closed_form() -> dict:
     with torch.no_grad():
         module.weight.copy_(torch.tensor([[3.0, -2.0, 0.0, 1.0, 7.0]]))
     model = DistributedDataParallel(module, gradient_as_bucket_view=True)
-    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
+    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, device_type="cpu"))
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     weights, grads, first_steps, stale = [module.weight.detach().clone()], [], [], []
@@ -188,7 +193,7 @@ def _double_buffering_closed_form() -> dict:
 def _double_buffering_mlp() -> dict:
     """Several buckets, which DDP rebuilds after step 1, against a hand-made stale-SGD reference."""
     rank, n = _init_done()
-    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, ranks_per_node=None, device_type="cpu"))
+    hook, state = ddp.double_buffered_hook(ch.build_reducer("allreduce", None, device_type="cpu"))
     model, buckets = _ddp(hook, state)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -229,7 +234,7 @@ def _fp16_overflow() -> dict:
     x = torch.tensor([60000.0, -60000.0, 65504.0, 1.0])
     naive = x.half()
     dist.all_reduce(naive)
-    ours = ch.build_reducer("fp16", None, ranks_per_node=None, device_type="cpu")(x.clone()).wait()
+    ours = ch.build_reducer("fp16", None, device_type="cpu")(x.clone()).wait()
     return dict(naive=naive.float() / 2, ours=ours, reference=_plain_mean(x))
 
 
@@ -239,7 +244,7 @@ def _exact_half() -> dict:
     x = torch.randint(-100, 101, (257,), generator=torch.Generator().manual_seed(rank)).float()
     out = {}
     for kind in ("fp16", "bf16"):
-        out[kind] = ch.build_reducer(kind, None, ranks_per_node=None, device_type="cpu")(x.clone()).wait()
+        out[kind] = ch.build_reducer(kind, None, device_type="cpu")(x.clone()).wait()
     out["reference"] = _plain_mean(x)
     return out
 
@@ -248,7 +253,7 @@ def _usage_errors_in_job() -> list[str]:
     messages = []
     for kind, ranks_per_node in (("hierarchical", 3), ("hierarchical-fp16", None), ("ring", 1)):
         try:
-            ch.build_reducer(kind, None, ranks_per_node=ranks_per_node, device_type="cpu")
+            ch.build_reducer(kind, None, dims=_nodes(ranks_per_node), device_type="cpu")
         except UsageError as exc:
             messages.append(str(exc))
     return messages
@@ -277,7 +282,7 @@ def _two_rank_job() -> dict:
 
 def _four_rank_job() -> dict:
     _init()
-    groups = mesh.node_groups(2, 4, "cpu")
+    groups = ParallelDims(world_size=4, ranks_per_node=2).node_groups("cpu")
     kinds = [
         ("hierarchical 2x2", "hierarchical", 2),
         ("hierarchical-fp16 2x2", "hierarchical-fp16", 2),
@@ -466,16 +471,16 @@ def test_hierarchical_two_nodes_of_two(four_ranks):
 
 def test_unknown_kind_is_a_usage_error():
     with pytest.raises(UsageError, match="--comm-hook 'ring'.*allreduce, fp16, bf16, hierarchical"):
-        ch.build_reducer("ring", None, ranks_per_node=None, device_type="cpu")
+        ch.build_reducer("ring", None, device_type="cpu")
 
 
 @pytest.mark.parametrize("ranks_per_node", [0, 3, 5, None])
 def test_bad_ranks_per_node_is_a_usage_error(ranks_per_node):
     with pytest.raises(UsageError, match="--ranks-per-node"):
-        mesh.validate_ranks_per_node(ranks_per_node, 4)
+        ParallelDims(world_size=4, ranks_per_node=ranks_per_node).node_grid()
 
 
 def test_good_ranks_per_node_gives_the_node_count():
-    assert mesh.validate_ranks_per_node(2, 4) == 2
-    assert mesh.validate_ranks_per_node(4, 4) == 1
-    assert mesh.validate_ranks_per_node(1, 4) == 4
+    assert len(ParallelDims(world_size=4, ranks_per_node=2).node_grid()) == 2
+    assert len(ParallelDims(world_size=4, ranks_per_node=4).node_grid()) == 1
+    assert len(ParallelDims(world_size=4, ranks_per_node=1).node_grid()) == 4

@@ -205,6 +205,7 @@ def _parallel_job(root: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     import distlm.parallel.pipeline as pipeline
+    from distlm.layout import Layout, PipelineLayout
     from distlm.parallel.api import ParallelOptions, parallelize
     from distlm.parallel.tp import apply_tp, loss_context
 
@@ -231,7 +232,7 @@ def _parallel_job(root: str) -> dict:
         return summed(logits, targets)
 
     pipeline.summed_token_loss = recording
-    options = ParallelOptions(pipeline=pipeline.PipelineOptions(schedule="gpipe", microbatches=2))
+    options = ParallelOptions(layout=Layout(pipeline=PipelineLayout(schedule="gpipe", microbatches=2)))
     model, handle = parallelize(tiny_llama(), ParallelDims(world_size=2, pp=2), torch.device("cpu"), options)
     handle.runner.forward_backward([batch], torch.ones(()), contextlib.nullcontext)
     out["pp"] = {"losses": torch.cat(recorded[-2:]) if recorded else None,

@@ -34,12 +34,13 @@ from distlm.models.flops import (
     model_shape,
     parameter_groups,
 )
+from distlm.layout import Layout, PipelineLayout
 from distlm.plan.model import (
     SPLIT_BACKWARD_COST,
     Cluster,
     Group,
-    Layout,
     Link,
+    Placement,
     Stage,
     Workload,
     activation_bytes_per_rank,
@@ -148,11 +149,11 @@ def test_gradient_allreduce_crosses_the_shared_node_network():
     # 4 nodes x 8 ranks, flat ring of p = 32 over the network: each step waits for a network
     # hop (alpha = 20 us), and each node's 40 GB/s carries the ring's traffic:
     #   2 * 31 * 20e-6 + 2 * 31/32 * 64e6 / 40e9 = 1.24e-3 + 3.1e-3 = 4.34e-3 s
-    cluster, layout = _cluster(), Layout(nodes=4, ranks_per_node=8)
+    cluster, layout = _cluster(), Placement(nodes=4, ranks_per_node=8)
     workload = Workload(shape=model_shape("llama_tiny"), precision="bf16")
     assert gradient_allreduce_time(64e6, workload, layout, cluster) == pytest.approx(4.34e-3, rel=1e-9)
     # fp16 hook: half the bytes on the wire.
-    fp16 = dataclasses.replace(workload, comm_hook="fp16")
+    fp16 = dataclasses.replace(workload, layout=Layout(comm_hook="fp16"))
     assert gradient_allreduce_time(64e6, fp16, layout, cluster) == pytest.approx(1.24e-3 + 1.55e-3, rel=1e-9)
     # Hierarchical: reduce-scatter and all-gather in the node (7 steps of 5 us and 7/8 of the
     # bytes at 200 GB/s each), then 8 rings of 4 nodes over 8 MB shards sharing 40 GB/s:
@@ -166,7 +167,7 @@ def test_ddp_hides_all_but_what_backward_completes_last_and_double_buffering_hid
     the tail: the buckets complete when backward ends (the embedding table's gradient comes
     last) and the one the last block closed. Double buffering gives those a whole step."""
     cluster = _cluster(intra=Link(5e-6, 20e9))
-    layout = Layout(nodes=1, ranks_per_node=8)
+    layout = Placement(nodes=1, ranks_per_node=8)
     workload = Workload(shape=model_shape("llama2_7b"), precision="bf16", tokens_per_sample=1024, batch_size=32)
     row = project(workload, cluster, layout)
     _, backward, _ = micro_batch_segments(workload, layout, cluster)
@@ -184,15 +185,16 @@ def test_ddp_hides_all_but_what_backward_completes_last_and_double_buffering_hid
     tail = sum(seconds for _, _, seconds in last)
     token_count = min(ring_allreduce_time(8, 8, cluster.intra), tree_allreduce_time(8, 8, cluster.intra))
     assert tail + token_count <= row.comm_exposed_s <= tail + early[-1][2] + token_count + 1e-12
-    buffered = project(dataclasses.replace(workload, double_buffering=True), cluster, layout)
+    buffered = project(dataclasses.replace(workload, layout=Layout(double_buffering=True)), cluster, layout)
     assert buffered.comm_exposed_s == pytest.approx(token_count) and buffered.step_time_s < row.step_time_s
 
 
 def test_fsdp_exposes_its_first_all_gathers():
     """FSDP's first block cannot start before the root's and its own all-gather."""
     cluster = _cluster(intra=Link(5e-6, 20e9))
-    layout = Layout(nodes=1, ranks_per_node=8)
-    workload = Workload(shape=model_shape("llama2_7b"), strategy="fsdp", precision="bf16", tokens_per_sample=1024)
+    layout = Placement(nodes=1, ranks_per_node=8)
+    workload = Workload(shape=model_shape("llama2_7b"), layout=Layout(strategy="fsdp"), precision="bf16",
+                        tokens_per_sample=1024)
     row = project(workload, cluster, layout)
     counts = parameter_groups(model_shape("llama2_7b"))
     first = all_gather_time(2 * (counts.embedding + counts.head), 8, cluster.intra) + all_gather_time(
@@ -240,7 +242,9 @@ def test_memory_per_rank_matches_real_ranks(data_dir):  # noqa: F811 - fixture
     result = run_distributed(_memory_under_each_strategy, 2, data_dir, timeout=180)[0]
     for (arch, strategy, ep), ranks in result["reports"].items():
         shape = model_shape(arch, result["vocab_size"])
-        predicted = memory_per_rank(Workload(shape=shape, strategy=strategy), Layout(nodes=1, ranks_per_node=2, ep=ep))
+        layout = Layout(strategy=strategy, ep_degree=ep)
+        predicted = memory_per_rank(Workload(shape=shape, layout=layout),
+                                    Placement(nodes=1, ranks_per_node=2, layout=layout))
         for rank, measured in enumerate(ranks):
             for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "total_bytes"):
                 error = abs(predicted[key] / measured[key] - 1)
@@ -309,8 +313,8 @@ def test_calibration_reads_host_sharing_and_dtensor_dispatch(tmp_path):
     assert result.host_sharing[4] == pytest.approx((2.5, 2.4), rel=1e-9)
     assert result.dtensor_step_per_tensor_s == pytest.approx(0.0039 / 39)
     cluster = result.apply(load_cluster("local"))
-    workload = Workload(shape=shape, strategy="fsdp", tokens_per_sample=tokens, batch_size=batch)
-    four, two = (project(workload, cluster, Layout(nodes=1, ranks_per_node=r)) for r in (4, 2))
+    workload = Workload(shape=shape, layout=Layout(strategy="fsdp"), tokens_per_sample=tokens, batch_size=batch)
+    four, two = (project(workload, cluster, Placement(nodes=1, ranks_per_node=r)) for r in (4, 2))
     assert four.compute_slowdown == pytest.approx(2.5) and two.compute_slowdown == 1.0  # 2 ranks: not measured
     assert four.compute_s == pytest.approx(2.5 * one_rank["compute_s"])
 
@@ -440,17 +444,17 @@ def test_cpu_ranks_share_the_host_cores():
         load_cluster("local"), achieved_flops={"fp32": 50e9}, cpu_threads_per_rank=1, cores_per_node=2,
     )
     workload = Workload(shape=shape, tokens_per_sample=SEQ_LEN, batch_size=BATCH)
-    one, two, four = (project(workload, cluster, Layout(nodes=1, ranks_per_node=r)) for r in (1, 2, 4))
+    one, two, four = (project(workload, cluster, Placement(nodes=1, ranks_per_node=r)) for r in (1, 2, 4))
     assert two.compute_s == pytest.approx(one.compute_s) and two.optimizer_s == pytest.approx(one.optimizer_s)
     assert four.compute_s == pytest.approx(2 * one.compute_s) and four.optimizer_s == pytest.approx(2 * one.optimizer_s)
     assert four.compute_slowdown == 2.0 and four.efficiency < 0.5
     for row in (two, four):  # every core computes: the whole all-reduce adds to the step
         assert row.comm_exposed_s == pytest.approx(row.dp_comm_s)
     roomy = dataclasses.replace(cluster, cores_per_node=8)
-    spare = project(workload, roomy, Layout(nodes=1, ranks_per_node=2))
+    spare = project(workload, roomy, Placement(nodes=1, ranks_per_node=2))
     assert spare.compute_slowdown == 1.0 and spare.comm_exposed_s < spare.dp_comm_s
     # Simulated nodes of one host share it too.
-    split = project(workload, cluster, Layout(nodes=2, ranks_per_node=2))
+    split = project(workload, cluster, Placement(nodes=2, ranks_per_node=2))
     assert split.compute_s == pytest.approx(four.compute_s)
 
 
@@ -462,8 +466,8 @@ def test_cpu_ranks_share_the_host_cores():
 ])
 def test_a_cpu_collective_beside_compute_shares_its_cores(ranks, threads, cores, slowdown):
     cluster = dataclasses.replace(load_cluster("local"), cpu_threads_per_rank=threads, cores_per_node=cores)
-    assert collective_slowdown(Layout(nodes=1, ranks_per_node=ranks), cluster) == pytest.approx(slowdown)
-    assert collective_slowdown(Layout(nodes=1, ranks_per_node=ranks), load_cluster("p4d.24xlarge")) == 1.0
+    assert collective_slowdown(Placement(nodes=1, ranks_per_node=ranks), cluster) == pytest.approx(slowdown)
+    assert collective_slowdown(Placement(nodes=1, ranks_per_node=ranks), load_cluster("p4d.24xlarge")) == 1.0
 
 
 def test_only_collectives_issued_during_compute_are_slowed():
@@ -476,7 +480,7 @@ def test_only_collectives_issued_during_compute_are_slowed():
         load_cluster("local"), achieved_flops={"fp32": 50e9}, cpu_threads_per_rank=1, cores_per_node=2,
     )
     spare = dataclasses.replace(cluster, cores_per_node=1000)
-    layout = Layout(nodes=1, ranks_per_node=2)
+    layout = Placement(nodes=1, ranks_per_node=2)
     groups = parameter_groups(shape)
     group = layout.dp_group()
     n = groups.blocks
@@ -486,10 +490,10 @@ def test_only_collectives_issued_during_compute_are_slowed():
     root, block = groups.embedding + groups.head, groups.per_block
     waited = gather(root) + gather(block) + scatter(block) + scatter(root)
     prefetched = (2 * n - 2) * gather(block) + (n - 1) * scatter(block)
-    fsdp = Workload(shape=shape, strategy="fsdp", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    fsdp = Workload(shape=shape, layout=Layout(strategy="fsdp"), tokens_per_sample=SEQ_LEN, batch_size=BATCH)
     assert project(fsdp, cluster, layout).dp_comm_s == pytest.approx(waited + 2 * prefetched + token_count)
     assert project(fsdp, spare, layout).dp_comm_s == pytest.approx(waited + prefetched + token_count)
-    ddp = Workload(shape=shape, strategy="ddp", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
+    ddp = Workload(shape=shape, layout=Layout(strategy="ddp"), tokens_per_sample=SEQ_LEN, batch_size=BATCH)
     total = 4 * count_parameters(shape)
     first, rest = (collective_time("all_reduce", b, group, cluster) for b in (2**20, total - 2**20))
     assert project(ddp, cluster, layout).dp_comm_s == pytest.approx(2 * first + rest + token_count)
@@ -532,13 +536,12 @@ LLAMA3_8B = model_shape("llama3_8b")  # 32 blocks: 8 per stage at pp 4
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def pipelined(schedule: str = "1f1b", microbatches: int = 8, stages_per_rank: int | None = None, **settings):
+def pipelined(schedule: str = "1f1b", microbatches: int = 8, stages_per_rank: int = 1):
     """Llama-3-8B at pp 4 x tp 2 on one p4d node (dp 1): the update is its pipeline passes
     and the optimizer step, nothing data-parallel."""
-    workload = Workload(shape=LLAMA3_8B, precision="bf16", tokens_per_sample=2048, batch_size=8,
-                        pp_schedule=schedule, pp_microbatches=microbatches, pp_stages_per_rank=stages_per_rank,
-                        **settings)
-    return project(workload, load_cluster("p4d.24xlarge"), Layout(nodes=1, ranks_per_node=8, tp=2, pp=4))
+    layout = Layout(tp_degree=2, pp_degree=4, pipeline=PipelineLayout(schedule, microbatches, stages_per_rank))
+    workload = Workload(shape=LLAMA3_8B, layout=layout, precision="bf16", tokens_per_sample=2048, batch_size=8)
+    return project(workload, load_cluster("p4d.24xlarge"), Placement(nodes=1, ranks_per_node=8, layout=layout))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -604,12 +607,14 @@ def test_memory_per_rank_counts_only_the_rank_stage():
     # logits): the first needs most here.
     assert row.param_bytes == pytest.approx(4 * first)
     assert row.memory_bytes_per_rank == pytest.approx(16 * first)  # ddp: weights, gradients, Adam
-    stage = Workload(shape=dataclasses.replace(LLAMA3_8B, n_layers=8), precision="bf16", tokens_per_sample=2048,
-                     batch_size=1, stage=Stage(index=0, blocks=8, first=True, last=False))
-    layout = Layout(nodes=1, ranks_per_node=8, tp=2, pp=4)
+    stage_layout = Layout(tp_degree=2, pp_degree=4)
+    stage = Workload(shape=dataclasses.replace(LLAMA3_8B, n_layers=8), layout=stage_layout, precision="bf16",
+                     tokens_per_sample=2048, batch_size=1, stage=Stage(index=0, blocks=8, first=True, last=False))
+    layout = Placement(nodes=1, ranks_per_node=8, layout=stage_layout)
     assert row.activation_bytes_per_rank == pytest.approx(4 * activation_bytes_per_rank(stage, layout))
-    whole = project(Workload(shape=LLAMA3_8B, precision="bf16", tokens_per_sample=2048, batch_size=8),
-                    load_cluster("p4d.24xlarge"), Layout(nodes=1, ranks_per_node=2, tp=2))
+    tp2 = Layout(tp_degree=2)
+    whole = project(Workload(shape=LLAMA3_8B, layout=tp2, precision="bf16", tokens_per_sample=2048, batch_size=8),
+                    load_cluster("p4d.24xlarge"), Placement(nodes=1, ranks_per_node=2, layout=tp2))
     assert whole.memory_bytes_per_rank > 3 * row.memory_bytes_per_rank
 
 
@@ -706,9 +711,10 @@ def test_moe_compute_counts_a_tokens_experts_and_expert_parallel_splits_the_rest
     active = count_parameters(shape) - 2 * (8 - 2) * 3 * 64 * 32  # all but the 6 experts a token skips
     assert whole.embedding + whole.blocks * whole.compute_per_block + whole.head == active
     assert split.compute_per_block == whole.compute_per_block
-    workload = Workload(shape=shape, precision="bf16", tokens_per_sample=SEQ_LEN, batch_size=BATCH)
     cluster = _cluster()
-    one, two = (project(workload, cluster, Layout(nodes=1, ranks_per_node=2, ep=ep)) for ep in (1, 2))
+    one, two = (project(Workload(shape=shape, layout=layout, precision="bf16", tokens_per_sample=SEQ_LEN,
+                                 batch_size=BATCH), cluster, Placement(nodes=1, ranks_per_node=2, layout=layout))
+                for layout in (Layout(ep_degree=1), Layout(ep_degree=2)))
     assert one.compute_s == pytest.approx(two.compute_s)  # EP moves tokens, not FLOPs
     assert two.moe_comm_s > one.moe_comm_s > 0  # all-to-alls beside the routing statistics' all-reduce
     assert two.expert_bytes_per_rank == 16 * routed / 2 and one.expert_bytes_per_rank == 0
@@ -721,10 +727,10 @@ def test_all_to_all_volume_and_time_by_hand():
     shape = model_shape("qwen3_moe_tiny", 100)
     workload = Workload(shape=shape, tokens_per_sample=SEQ_LEN, batch_size=BATCH)  # fp32: 4 bytes
     copies = BATCH * SEQ_LEN * 2 * 64 * 4  # tokens x top-2 x width x bytes
-    assert all_to_all_bytes_per_micro(workload, Layout(1, 4, ep=4)) == 2 * 4 * copies * 3 / 4
-    checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
-    assert all_to_all_bytes_per_micro(checkpointed, Layout(1, 4, ep=4)) == 2 * 6 * copies * 3 / 4
-    assert all_to_all_bytes_per_micro(workload, Layout(1, 4, ep=1)) == 0
+    assert all_to_all_bytes_per_micro(workload, Placement(1, 4, Layout(ep_degree=4))) == 2 * 4 * copies * 3 / 4
+    checkpointed = dataclasses.replace(workload, layout=Layout(activation_checkpointing=True))
+    assert all_to_all_bytes_per_micro(checkpointed, Placement(1, 4, Layout(ep_degree=4))) == 2 * 6 * copies * 3 / 4
+    assert all_to_all_bytes_per_micro(workload, Placement(1, 4, Layout(ep_degree=1))) == 0
     # 8 ranks in a node, alpha 10 us, 100 GB/s: 7 steps + 7/8 of 1 MB.
     cluster = _cluster(intra=Link(10e-6, 100e9))
     assert all_to_all_time(1e6, Group(8, 1), cluster) == pytest.approx(7 * 10e-6 + 7 / 8 * 1e6 / 100e9)

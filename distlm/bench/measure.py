@@ -17,7 +17,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -32,6 +32,7 @@ from distlm.backends.hardware import device_peak_flops, host_cores, measure_cpu_
 from distlm.choices import PROBE_METHODS
 from distlm.config import TrainConfig, parse_args
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
 from distlm.state.names import unwrap
@@ -45,7 +46,7 @@ KIB, MIB = 1024, 1024 * 1024
 
 @dataclass
 class LaunchSpec:
-    """What one launch measures; the driver writes it as JSON for the ranks to read."""
+    """What one launch measures; the driver writes it as JSON for the ranks to read (``to_json``)."""
 
     arch: str
     strategies: list[str]
@@ -55,12 +56,12 @@ class LaunchSpec:
     tokens_per_sample: int
     precision: str
     """fp32, bf16 or fp16."""
-    comm_hook: str
-    tp_degree: int
-    bucket_cap_mb: float
     device: str
     steps: int
     warmup_steps: int
+    layout: Layout = field(default_factory=Layout)
+    """distlm.train's layout: the comm hook, buckets, tensor- and pipeline-parallel degrees and
+    the pipeline's settings (given only above pp 1); its strategy is each of ``strategies`` in turn."""
     data: str | None = None
     """distlm.train's --data; None: the built-in corpus."""
     allreduce_sizes: list[int] = field(default_factory=list)
@@ -70,30 +71,39 @@ class LaunchSpec:
     """One-rank launches that run at once on this host (``HostSharing``); 1: this one alone."""
     rendezvous_dir: str | None = None
     """Where the concurrent launches meet (``HostSharing``)."""
-    pp_degree: int = 1
-    """distlm.train's --pp-degree (given only above 1, with the three below)."""
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0
-    """distlm.train's --pp-microbatches; 0: its default, twice the pp degree."""
-    pp_stages_per_rank: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as one flat JSON object: its own fields and the layout's settings under
+        distlm.train's names (``tp_degree``, ``comm_hook``, ``pp_schedule``...), which the raw
+        results keep; the strategies measured are the spec's list, not the layout's one."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
+        settings = {name: value for name, value in self.layout.settings().items() if name != "strategy"}
+        return {**own, **settings}
+
+    @classmethod
+    def from_json(cls, values: dict[str, Any]) -> LaunchSpec:
+        """The spec of ``to_json``'s object."""
+        own = {f.name: values[f.name] for f in fields(cls) if f.name != "layout" and f.name in values}
+        return cls(**own, layout=Layout.from_settings(values))
 
     def trainer_flags(self, strategy: str) -> list[str]:
         """distlm.train's flags for ``strategy``: fixed-length samples, nothing saved or validated."""
+        layout, pipeline = self.layout, self.layout.pipeline
         flags = [
-            "--arch", self.arch, "--strategy", strategy, "--tp-degree", str(self.tp_degree),
+            "--arch", self.arch, "--strategy", strategy, "--tp-degree", str(layout.tp_degree),
             "--batch-size", str(self.batch_size), "--update-freq", str(self.update_freq),
             "--tokens-per-sample", str(self.tokens_per_sample),
             # Every sample exactly --tokens-per-sample tokens, so tokens/s and FLOPs are what they say.
             "--sample-break-mode", "none",
-            "--comm-hook", self.comm_hook, "--bucket-cap-mb", str(self.bucket_cap_mb), "--device", self.device,
+            "--comm-hook", layout.comm_hook, "--bucket-cap-mb", str(layout.bucket_cap_mb), "--device", self.device,
             "--no-save", "--disable-validation", "--max-update", str(_NEVER), "--log-interval", str(_NEVER),
             "--seed", str(self.seed),
         ]
         flags += ["--data", self.data] if self.data is not None else []
-        if self.pp_degree > 1:
-            flags += ["--pp-degree", str(self.pp_degree), "--pp-schedule", self.pp_schedule,
-                      "--pp-microbatches", str(self.pp_microbatches),
-                      "--pp-stages-per-rank", str(self.pp_stages_per_rank)]
+        if layout.pp_degree > 1:
+            flags += ["--pp-degree", str(layout.pp_degree), "--pp-schedule", pipeline.schedule,
+                      "--pp-microbatches", str(pipeline.microbatches),
+                      "--pp-stages-per-rank", str(pipeline.stages_per_rank)]
         return flags + precision_flags(self.precision)
 
     def trainer_config(self, strategy: str) -> TrainConfig:

@@ -25,11 +25,12 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS, pp_microbatches
+from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
 from distlm.errors import UsageError
 from distlm.models.flops import model_flops_utilization, model_shape
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.plan.model import Layout, Workload, executed_flops_per_token, load_cluster, project
+from distlm.layout import Layout, PipelineLayout
+from distlm.plan.model import Placement, Workload, executed_flops_per_token, load_cluster, project
 from distlm.precision import dtype_name
 
 # Rows with the same values of these fields are one scaling series; its efficiency is
@@ -39,7 +40,8 @@ SERIES_FIELDS = ("arch", "mode", "strategy", "tokens_per_sample", "update_freq",
                  "tp_degree", "pp_degree", "pp_schedule", "pp_microbatches", "pp_stages_per_rank", "vocab_size",
                  "device", "threads_per_rank")
 # Fields rows written before they existed lack: their value then.
-FIELD_DEFAULTS = {"pp_degree": 1, "pp_schedule": None, "pp_microbatches": None, "pp_stages_per_rank": None}
+FIELD_DEFAULTS = {"pp_degree": Layout.pp_degree, "pp_schedule": None, "pp_microbatches": None,
+                  "pp_stages_per_rank": None}
 # Model-parallel settings: a series with them compares with the same settings without.
 MODEL_PARALLEL_FIELDS = ("tp_degree", "pp_degree", "pp_schedule", "pp_microbatches", "pp_stages_per_rank")
 RESULTS, ALLREDUCE, CALIBRATION, TABLE = "results.jsonl", "allreduce.jsonl", "calibration.jsonl", "results.md"
@@ -62,7 +64,7 @@ def series_label(row: dict[str, Any]) -> str:
     return (row["strategy"] + ("" if row["comm_hook"] == "allreduce" else f" {row['comm_hook']}")
             + ("" if row["tp_degree"] == 1 else f" tp{row['tp_degree']}")
             + ("" if row.get("pp_degree", 1) == 1 else f" pp{row['pp_degree']}")
-            + ("" if row.get("pp_schedule") in (None, "1f1b") else f" {row['pp_schedule']}"))
+            + ("" if row.get("pp_schedule") in (None, PipelineLayout.schedule) else f" {row['pp_schedule']}"))
 
 
 def launch_under_load(launch: dict[str, Any]) -> bool:
@@ -97,13 +99,13 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
     combos = [list(c) + [1] * (4 - len(c)) for c in settings.get("combinations") or []]  # pp 1 unless given
     samples: dict[tuple[str, str, int, int, int], list[dict[str, Any]]] = {}
     for launch in launches:
-        spec = launch["spec"]
-        degrees = (spec["tp_degree"], spec.get("pp_degree", 1))
+        layout = Layout.from_settings(launch["spec"])  # a spec of before pipelines holds no pp_* keys
+        degrees = (layout.tp_degree, layout.pp_degree)
         for times in launch["strategies"]:
-            point = (times["strategy"], spec["comm_hook"], *degrees)
+            point = (times["strategy"], layout.comm_hook, *degrees)
             if times["dp_degree"] == 1:
                 stands_for = [tuple(c) for c in combos if tuple(c[2:]) == degrees] if combos else [
-                    (strategy, spec["comm_hook"], *degrees) for strategy in settings["strategies"]]
+                    (strategy, layout.comm_hook, *degrees) for strategy in settings["strategies"]]
             else:
                 stands_for = [point]
             for strategy, comm_hook, tp_degree, pp_degree in stands_for:
@@ -132,7 +134,8 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             statistics.median(e["times"]["optimizer_dtensor_s"]) - statistics.median(e["times"]["optimizer_plain_s"])
             for e in entries if e["times"].get("optimizer_dtensor_s")
         ]
-        pp_degree = spec.get("pp_degree", 1)
+        layout = Layout.from_settings(spec)
+        pp_degree, pipeline = layout.pp_degree, layout.pipeline
         pipelined = pp_degree > 1
         loads = [load for e in entries for load in e["launch"].get("load_average") or () if load is not None]
         rows.append({
@@ -146,11 +149,11 @@ def point_rows(launches: list[dict[str, Any]], settings: dict[str, Any]) -> list
             "update_freq": spec["update_freq"],
             "global_batch_size": global_batch,
             "dp_degree": times["dp_degree"],
-            "tp_degree": spec["tp_degree"],
+            "tp_degree": layout.tp_degree,
             "pp_degree": pp_degree,
-            "pp_schedule": spec.get("pp_schedule", "1f1b") if pipelined else None,
-            "pp_microbatches": pp_microbatches(spec.get("pp_microbatches"), pp_degree) if pipelined else None,
-            "pp_stages_per_rank": spec.get("pp_stages_per_rank", 1) if pipelined else None,
+            "pp_schedule": pipeline.schedule if pipelined else None,
+            "pp_microbatches": pipeline.microbatch_count(pp_degree) if pipelined else None,
+            "pp_stages_per_rank": pipeline.stages_per_rank if pipelined else None,
             "precision": spec["precision"],
             "comm_hook": comm_hook,
             "device": launch["device"],
@@ -208,16 +211,16 @@ def predict_step_times(rows: list[dict[str, Any]], calibration: Path, bucket_cap
     for row in rows:
         if row["device"] != "cpu" or dtype_name(row["precision"]) not in calibration_fit.achieved_flops:
             continue
+        # A row holds the layout's settings under distlm.train's names; null pipeline ones (pp 1) take the defaults.
+        layout = Layout.from_settings({name: value for name, value in row.items() if value is not None}
+                                      | {"bucket_cap_mb": bucket_cap_mb})
         workload = Workload(
-            shape=model_shape(row["arch"], row["vocab_size"]), strategy=row["strategy"], precision=row["precision"],
+            shape=model_shape(row["arch"], row["vocab_size"]), layout=layout, precision=row["precision"],
             tokens_per_sample=row["tokens_per_sample"], batch_size=row["batch_size"], update_freq=row["update_freq"],
-            comm_hook=row["comm_hook"], bucket_cap_mb=bucket_cap_mb,
-            pp_schedule=row.get("pp_schedule") or "1f1b", pp_microbatches=row.get("pp_microbatches"),
-            pp_stages_per_rank=row.get("pp_stages_per_rank"),
         )
-        layout = Layout(nodes=1, ranks_per_node=row["world_size"], tp=row["tp_degree"], pp=row.get("pp_degree", 1))
         try:
-            row["predicted_step_time_s"] = project(workload, cluster, layout).step_time_s
+            placement = Placement(nodes=1, ranks_per_node=row["world_size"], layout=layout)
+            row["predicted_step_time_s"] = project(workload, cluster, placement).step_time_s
         except UsageError as exc:
             refused.append(f"no predicted step time for {series_label(row)} at {row['world_size']} ranks: {exc}")
     return refused

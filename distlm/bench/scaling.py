@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -55,6 +55,7 @@ from distlm.choices import COMM_HOOKS, DEVICES, PP_SCHEDULES, STRATEGIES
 from distlm.runtime.context import shutdown
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.launch.detect import detect_launch
+from distlm.layout import Layout, PipelineLayout
 from distlm.precision import DTYPES
 from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
 from distlm.observe.run_record import run_json, write_run_json
@@ -117,7 +118,7 @@ class Launch:
     comm_hook: str
     tp_degree: int
     strategies: tuple[str, ...]
-    pp_degree: int = 1
+    pp_degree: int = Layout.pp_degree
 
     @property
     def one_replica(self) -> bool:
@@ -149,8 +150,8 @@ def build_parser() -> OneLineErrorParser:
     add("--arch", default="roberta_tiny", help="a distlm arch name (default roberta_tiny)")
     add("--ranks", type=whole_number_list("--ranks"), default=None,
         help="world sizes to measure, e.g. 1,2,4 (default 1,2); inside a launch: its own world size")
-    add("--strategy", type=name_list("--strategy", STRATEGIES), default=["ddp"],
-        help=f"comma-separated, from {', '.join(STRATEGIES)} (default ddp)")
+    add("--strategy", type=name_list("--strategy", STRATEGIES), default=[Layout.strategy],
+        help=f"comma-separated, from {', '.join(STRATEGIES)} (default {Layout.strategy})")
     add("--mode", choices=("weak", "strong"), default="weak",
         help="weak: --batch-size per replica at every point; strong: one global batch split over the replicas")
     add("--steps", type=int, default=5, help="timed updates per point and repetition (default 5)")
@@ -164,21 +165,25 @@ def build_parser() -> OneLineErrorParser:
     add("--tokens-per-sample", type=int, default=128, help="tokens per sample (default 128)")
     add("--precision", choices=tuple(DTYPES), default="fp32",
         help="fp32 (default), bf16 or fp16 (distlm.train's --bf16/--fp16)")
-    add("--comm-hook", type=name_list("--comm-hook", COMM_HOOKS), default=["allreduce"],
-        help=f"DDP's gradient all-reduce, comma-separated, from {', '.join(COMM_HOOKS)} (default allreduce); "
+    add("--comm-hook", type=name_list("--comm-hook", COMM_HOOKS), default=[Layout.comm_hook],
+        help=f"DDP's gradient all-reduce, comma-separated, from {', '.join(COMM_HOOKS)} (default {Layout.comm_hook}); "
              "measured with the strategies that take a hook (ddp, zero1)")
-    add("--tp-degree", type=whole_number_list("--tp-degree"), default=[1],
-        help="tensor-parallel degrees, comma-separated (default 1); each at the world sizes it divides")
-    add("--pp-degree", type=whole_number_list("--pp-degree"), default=[1],
-        help="pipeline degrees, comma-separated (default 1), passed to distlm.train's --pp-degree; each with "
-             "every tp degree whose product with it divides the world size")
-    add("--pp-schedule", choices=PP_SCHEDULES, default="1f1b",
-        help="as distlm.train's, for the points of --pp-degree above 1 (default 1f1b)")
-    add("--pp-microbatches", type=int, default=0,
-        help="as distlm.train's: micro-batches each replica's batch is split into (default 0: twice the pp degree)")
-    add("--pp-stages-per-rank", type=int, default=1,
-        help="as distlm.train's: stages on each rank, 2 or more for the looped schedules (default 1)")
-    add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB (default 25)")
+    add("--tp-degree", type=whole_number_list("--tp-degree"), default=[Layout.tp_degree],
+        help=f"tensor-parallel degrees, comma-separated (default {Layout.tp_degree}); each at the world sizes "
+             "it divides")
+    add("--pp-degree", type=whole_number_list("--pp-degree"), default=[Layout.pp_degree],
+        help=f"pipeline degrees, comma-separated (default {Layout.pp_degree}), passed to distlm.train's "
+             "--pp-degree; each with every tp degree whose product with it divides the world size")
+    add("--pp-schedule", choices=PP_SCHEDULES, default=PipelineLayout.schedule,
+        help=f"as distlm.train's, for the points of --pp-degree above 1 (default {PipelineLayout.schedule})")
+    add("--pp-microbatches", type=int, default=PipelineLayout.microbatches,
+        help="as distlm.train's: micro-batches each replica's batch is split into "
+             f"(default {PipelineLayout.microbatches}: twice the pp degree)")
+    add("--pp-stages-per-rank", type=int, default=PipelineLayout.stages_per_rank,
+        help="as distlm.train's: stages on each rank, 2 or more for the looped schedules "
+             f"(default {PipelineLayout.stages_per_rank})")
+    add("--bucket-cap-mb", type=float, default=Layout.bucket_cap_mb,
+        help=f"DDP gradient bucket size in MiB (default {Layout.bucket_cap_mb:g})")
     add("--data", default=None,
         help="as distlm.train's --data: a fairseq-preprocess directory (default: the built-in corpus)")
     add("--device", choices=DEVICES, default="auto", help="as distlm.train's --device (default auto)")
@@ -213,8 +218,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise UsageError(f"--pp-microbatches must be 0 (twice the pp degree) or more, got {args.pp_microbatches}")
     if args.pp_stages_per_rank < 1:
         raise UsageError(f"--pp-stages-per-rank must be at least 1, got {args.pp_stages_per_rank}")
-    pipeline_flags = (args.pp_schedule, args.pp_microbatches, args.pp_stages_per_rank) != ("1f1b", 0, 1)
-    if pipeline_flags and max(args.pp_degree) == 1:
+    if pipeline_layout(args) != PipelineLayout() and max(args.pp_degree) == 1:
         raise UsageError("--pp-schedule, --pp-microbatches and --pp-stages-per-rank set the pipeline points; "
                          "add --pp-degree with a degree above 1")
     if args.threads_per_rank is not None and args.threads_per_rank < 1:
@@ -257,7 +261,8 @@ def global_batch_size(args: argparse.Namespace, ranks: list[int]) -> int:
 
 
 def replica_batch_size(
-    args: argparse.Namespace, world_size: int, ranks: list[int], tp_degree: int = 1, pp_degree: int = 1
+    args: argparse.Namespace, world_size: int, ranks: list[int], tp_degree: int = Layout.tp_degree,
+    pp_degree: int = Layout.pp_degree,
 ) -> int:
     """Samples per micro-batch per replica at ``world_size`` with ``tp_degree`` and ``pp_degree``."""
     if args.mode == "weak":
@@ -289,16 +294,21 @@ def launch_spec(
     """What ``launch`` measures (``strategies`` in this order), out of the sweep over ``ranks``;
     with ``probe`` and more than one rank, the collective probe too."""
     world_size = launch.world_size
+    layout = Layout(tp_degree=launch.tp_degree, pp_degree=launch.pp_degree, bucket_cap_mb=args.bucket_cap_mb,
+                    comm_hook=launch.comm_hook, pipeline=pipeline_layout(args))
     return LaunchSpec(
         arch=args.arch, strategies=strategies,
         batch_size=replica_batch_size(args, world_size, ranks, launch.tp_degree, launch.pp_degree),
         update_freq=args.update_freq, tokens_per_sample=args.tokens_per_sample, precision=args.precision,
-        comm_hook=launch.comm_hook, tp_degree=launch.tp_degree, pp_degree=launch.pp_degree,
-        pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-        pp_stages_per_rank=args.pp_stages_per_rank, bucket_cap_mb=args.bucket_cap_mb,
-        device=args.device, steps=args.steps, warmup_steps=args.warmup_steps, data=args.data,
+        device=args.device, steps=args.steps, warmup_steps=args.warmup_steps, layout=layout, data=args.data,
         allreduce_sizes=allreduce_sizes(args.allreduce_max_mib) if world_size > 1 and probe else [],
     )
+
+
+def pipeline_layout(args: argparse.Namespace) -> PipelineLayout:
+    """The pipeline of the points of --pp-degree above 1, from the suite's flags."""
+    return PipelineLayout(schedule=args.pp_schedule, microbatches=args.pp_microbatches,
+                          stages_per_rank=args.pp_stages_per_rank)
 
 
 def plan_launches(args: argparse.Namespace, ranks: list[int], env: ClusterEnv | None = None) -> list[Launch]:
@@ -456,7 +466,7 @@ def run_concurrent(spec: LaunchSpec, processes: int, threads: int, stem: Path, l
     computes = [step - optimizer for output in outputs
                 for step, optimizer in zip(output["strategies"][0]["step_s"], output["strategies"][0]["optimizer_s"])]
     return {
-        "spec": asdict(spec), "concurrent_processes": processes, "threads_per_rank": threads,
+        "spec": spec.to_json(), "concurrent_processes": processes, "threads_per_rank": threads,
         "device": outputs[0]["device"], "vocab_size": outputs[0]["strategies"][0]["vocab_size"],
         "compute_s": statistics.fmean(s["step"] - s["optimizer"] for s in summaries),
         "slowest_compute_s": results.expected_slowest(computes, processes),
@@ -494,7 +504,7 @@ def _start_worker(command: list[str], spec: LaunchSpec, threads: int, stem: Path
     """Start ``command SPEC.json OUT.json`` with ``threads`` per rank; a thread copies its
     output to ``stem``.log and, with a ``label``, its progress lines to stderr."""
     spec_path, out_path, log_path = (stem.with_name(stem.name + suffix) for suffix in (".spec.json", ".json", ".log"))
-    spec_path.write_text(json.dumps(asdict(spec), indent=1))
+    spec_path.write_text(json.dumps(spec.to_json(), indent=1))
     out_path.unlink(missing_ok=True)
     package_root = str(Path(__file__).resolve().parents[2])
     python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -548,7 +558,7 @@ def run_in_place(args: argparse.Namespace, env: ClusterEnv, planned: list[Launch
 
             # The launch's ranks on this host; each rank reads its own host's load, rank 0's is kept.
             cores = env.local_world_size * torch.get_num_threads()
-            launches.append(with_load(lambda: {"spec": asdict(spec), **measure_launch(spec, progress)}, cores,
+            launches.append(with_load(lambda: {"spec": spec.to_json(), **measure_launch(spec, progress)}, cores,
                                       label if env.rank == 0 else None))
     return launches
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -35,7 +34,7 @@ def main(argv: Sequence[str]) -> int:
             print(PROGRESS_PREFIX + line, flush=True)
 
     try:
-        spec = LaunchSpec(**json.loads(spec_path.read_text()))
+        spec = LaunchSpec.from_json(json.loads(spec_path.read_text()))
         result = measure_launch(spec, progress)
     except UsageError as exc:
         return report_usage_error(ERROR_PREFIX, exc, rank)
@@ -43,7 +42,7 @@ def main(argv: Sequence[str]) -> int:
         shutdown()
     if rank == 0:
         partial = out_path.with_name(out_path.name + ".partial")
-        partial.write_text(json.dumps({"spec": asdict(spec), **result}, indent=1))
+        partial.write_text(json.dumps({"spec": spec.to_json(), **result}, indent=1))
         partial.replace(out_path)
     return 0
 

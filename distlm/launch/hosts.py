@@ -59,6 +59,15 @@ def ranks_by_node(node_of_rank: Sequence[int]) -> list[list[int]]:
     return nodes
 
 
+def nodes_of_ranks(placed: ClusterEnv, launcher_nodes: Sequence[int]) -> tuple[int, ...]:
+    """The node every rank runs on, numbered by each node's lowest rank, from what the start
+    gathers anyway: where the hosts (or MPI) placed the ranks, ``placed.node_of_rank``; else the
+    launcher's node of every rank, ``launcher_nodes`` (each rank's ``node_rank``, all-gathered)."""
+    if placed.node_of_rank is not None:
+        return tuple(placed.node_of_rank)
+    return node_layout(placed.rank, launcher_nodes).node_of_rank
+
+
 class Host(NamedTuple):
     """The host a process runs on, as every rank can compare it."""
 

@@ -11,7 +11,7 @@ under tensor parallel) plus a sharded optimizer, which the returned handle build
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -22,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from distlm.backends.base import probe_grouped_mm
 from distlm.parallel.compile import apply_compile
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
 from distlm.parallel.ddp import apply_ddp, build_comm_hook
@@ -30,7 +31,7 @@ from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
 from distlm.state.full import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
 from distlm.state.names import single_device_name
-from distlm.parallel.pipeline import PipelineOptions, cut_stages, parallelize_stages
+from distlm.parallel.pipeline import cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
 from distlm.precision import MODE_DTYPES
 
@@ -39,27 +40,16 @@ logger = logging.getLogger("distlm")
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How to parallelise, as plain values (the command line's distributed settings map onto these)."""
+    """How to parallelise: the run's layout, and what precision and the backend add to it."""
 
+    layout: Layout = field(default_factory=Layout)
+    """Strategy settings, communication hook, buckets and pipeline (the degrees are the dims')."""
     precision: str = "fp32"
     """fp32 | bf16 | fp16 | memory_efficient_fp16: FSDP's mixed-precision policy follows it."""
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
-    bucket_cap_mb: float = 25.0
-    comm_hook: str = "allreduce"
-    comm_transport: str = "torch"
-    double_buffering: bool = False
-    ranks_per_node: int | None = None
-    """Hierarchical all-reduce over simulated nodes of this many consecutive ranks."""
-    node_of_rank: tuple[int, ...] | None = None
-    """Hierarchical all-reduce over real nodes: the node each rank runs on."""
-    cpu_offload: bool = False
     compile_backend: str | None = None
     """Compile each block with this torch.compile backend (inductor, neuron, openxla); None: eager."""
     foreach_clip: bool | None = True
     """foreach value of gradient clipping: None where the device has no foreach kernels (XLA)."""
-    pipeline: PipelineOptions = PipelineOptions()
-    """Schedule, micro-batches, stages per rank and split, used when the layout has pp > 1."""
     grouped_mm: Callable[[torch.device, torch.dtype], tuple[bool, str]] = probe_grouped_mm
     """The backend's verdict on torch._grouped_mm for a mixture of experts (device, compute dtype) -> (runs, why)."""
 
@@ -86,10 +76,11 @@ def parallelize(
         # A model built on every rank (the user's own) is cut into shards in place: each
         # rank must hold rank 0's weights first, or the shards would be of different models.
         broadcast_from_rank0(model)
-    stages = cut_stages(model, dims, options.pipeline) if dims.pp_enabled else None
+    layout = options.layout
+    stages = cut_stages(model, dims, layout.pipeline) if dims.pp_enabled else None
     model = apply_layer_transforms(model, dims, mesh, options)
     if stages is not None:
-        return parallelize_stages(stages, dims, device, options, options.pipeline, whole_model, fill_shards)
+        return parallelize_stages(stages, dims, device, options, whole_model, fill_shards)
     dtypes = MODE_DTYPES[options.precision]
     expert_gradients = apply_moe(model, dims, device, dtypes.autocast or dtypes.param, options.grouped_mm,
                                  compiled=options.compile_backend is not None)
@@ -102,7 +93,7 @@ def parallelize(
     elif fsdp:
         param_dtype, reduce_dtype = fsdp_dtypes(options.precision)
         model = apply_fsdp(model, mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           cpu_offload=options.cpu_offload, ignored_params=experts)
+                           cpu_offload=layout.cpu_offload, ignored_params=experts)
         logger.info("applied FSDP2 over %d data-parallel ranks (per block and root)", dims.dp)
     elif dims.dp_enabled and (dims.tp_enabled or dims.ep_enabled):
         # torch DDP cannot hold DTensor parameters; replicate (FSDP2's all-reduce twin)
@@ -111,23 +102,21 @@ def parallelize(
         # ignore them, so the dense parameters take replicate there too.
         model = apply_replicate(model, mesh["dp"], ignored_params=experts)
     elif dims.dp_enabled:  # ddp, and zero1's replicated parameters and gradients
-        hook, double_buffer = build_comm_hook(
-            options.comm_hook, options.comm_transport, options.double_buffering, dims.dp_group(device.type),
-            device.type, options.ranks_per_node, options.node_of_rank)
-        model = apply_ddp(model, device, dims.dp_group(device.type), options.bucket_cap_mb, hook, double_buffer)
+        hook, double_buffer = build_comm_hook(layout, dims, dims.dp_group(device.type), device.type)
+        model = apply_ddp(model, device, dims.dp_group(device.type), layout.bucket_cap_mb, hook, double_buffer)
         reducer = double_buffer.reducer if double_buffer is not None else getattr(hook, "reducer", None)
         logger.info(
             "applied DDP over %d replicas, bucket_cap_mb=%g, comm hook %s%s%s%s",
-            dims.dp, options.bucket_cap_mb, options.comm_hook, f" ({reducer!r})" if reducer is not None else "",
-            " over mpi4py" if options.comm_transport == "mpi" else "",
-            " with double buffering (gradients one update stale)" if options.double_buffering else "",
+            dims.dp, layout.bucket_cap_mb, layout.comm_hook, f" ({reducer!r})" if reducer is not None else "",
+            " over mpi4py" if layout.comm_transport == "mpi" else "",
+            " with double buffering (gradients one update stale)" if layout.double_buffering else "",
         )
-    elif options.comm_hook != "allreduce" or options.double_buffering or options.comm_transport != "torch":
+    elif layout.hooks_asked:
         logger.info("one data-parallel replica: no gradient all-reduce, so the comm hook settings do nothing")
     if whole_model is not None:
-        materialise(model, device, whole_model, cpu_offload=options.cpu_offload)
+        materialise(model, device, whole_model, cpu_offload=layout.cpu_offload)
     elif fill_shards is not None:
-        allocate(model, device, cpu_offload=options.cpu_offload)
+        allocate(model, device, cpu_offload=layout.cpu_offload)
         fill_shards(model)
     if (whole_model is not None or fill_shards is not None) and dims.tp_enabled:
         shard_gradients_like_parameters(model)  # apply_tp left them to after materialising
@@ -138,7 +127,7 @@ def parallelize(
         shards_optimizer_state=dims.strategy == "zero1" and dims.dp_enabled,
         double_buffer=double_buffer,
         mixed_precision_by_strategy=fsdp and fsdp_dtypes(options.precision)[0] is not None,
-        sync_bucket_mb=options.bucket_cap_mb,
+        sync_bucket_mb=layout.bucket_cap_mb,
         foreach_clip=options.foreach_clip,
         expert_gradients=expert_gradients,
     )
@@ -149,18 +138,19 @@ def apply_layer_transforms(model: nn.Module, dims: ParallelDims, mesh, options: 
     """Tensor parallel, then compile of each block, then activation checkpointing around the
     compiled blocks (the other order fails under TP in torch 2.13)."""
     if dims.tp_enabled:
-        model = apply_tp(model, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=True,
+        model = apply_tp(model, mesh["tp"], sequence_parallel=options.layout.sequence_parallel, loss_parallel=True,
                          compiled=options.compile_backend is not None)
     if options.compile_backend is not None:
         apply_compile(model, options.compile_backend)
-    if options.activation_checkpointing:
+    if options.layout.activation_checkpointing:
         apply_activation_checkpointing(model)
     return model
 
 
 @torch.no_grad()
 def materialise(
-    model: nn.Module, device: torch.device, whole_model: Callable[[], nn.Module], *, cpu_offload: bool = False
+    model: nn.Module, device: torch.device, whole_model: Callable[[], nn.Module], *,
+    cpu_offload: bool = Layout.cpu_offload,
 ) -> None:
     """Allocate this rank's shards of a parallelised meta model and fill them with the
     weights of ``whole_model()``, which only rank 0 calls (collective).
@@ -182,7 +172,7 @@ def materialise(
     logger.info("materialised the model shard by shard from rank 0's initialisation")
 
 
-def allocate(model: nn.Module, device: torch.device, *, cpu_offload: bool = False) -> None:
+def allocate(model: nn.Module, device: torch.device, *, cpu_offload: bool = Layout.cpu_offload) -> None:
     """Memory for this rank's shards and the buffers of a parallelised meta model, uninitialised.
 
     With ``cpu_offload`` FSDP wants its parameter shards on the host (it refuses them on

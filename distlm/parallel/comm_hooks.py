@@ -17,15 +17,15 @@ Process groups are arguments; nothing here lives in module globals.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from distlm.choices import COMM_HOOKS, comm_hook_wire_dtype
+from distlm.choices import COMM_HOOK_KINDS, COMM_HOOKS
 from distlm.errors import UsageError
-from distlm.mesh import node_groups, node_groups_of, validate_ranks_per_node
+from distlm.mesh import ParallelDims
 from distlm.precision import DTYPES, dtype_name
 from distlm.runtime.context import all_gather_tensor
 
@@ -239,8 +239,7 @@ def build_reducer(
     kind: str,
     dp_group: dist.ProcessGroup | None,
     *,
-    ranks_per_node: int | None = None,
-    node_of_rank: Sequence[int] | None = None,
+    dims: ParallelDims | None = None,
     device_type: str,
     inter_transport_factory: Callable[[dist.ProcessGroup | None], Transport] | None = None,
 ) -> Reducer:
@@ -248,15 +247,16 @@ def build_reducer(
 
     ``inter_transport_factory(group)`` makes the transport of the flat leg (allreduce, fp16,
     bf16) or of the inter-node leg (hierarchical*); default ``TorchTransport``.
-    The hierarchical kinds use ``ranks_per_node`` (consecutive simulated nodes) when
-    given, else ``node_of_rank``, the node each rank really runs on.
+    The hierarchical kinds reduce over the node axis of ``dims`` (``ParallelDims.node_groups``:
+    simulated nodes of ``--ranks-per-node`` ranks, or the real ones); without ``dims`` no node
+    is known, which asks for ``--ranks-per-node``.
     """
-    if kind not in COMM_HOOKS:
+    if kind not in COMM_HOOK_KINDS:
         raise UsageError(f"--comm-hook {kind!r} is unknown; choose one of {', '.join(COMM_HOOKS)}")
+    hook = COMM_HOOK_KINDS[kind]
     make_transport = inter_transport_factory or TorchTransport
-    wire = comm_hook_wire_dtype(kind)
-    half_dtype = None if wire is None else DTYPES[wire]
-    if not kind.startswith("hierarchical"):  # one flat all-reduce, in the half type if the hook has one
+    half_dtype = None if hook.wire_dtype is None else DTYPES[hook.wire_dtype]
+    if not hook.hierarchical:  # one flat all-reduce, in the half type if the hook has one
         transport = make_transport(dp_group)
         return allreduce_reducer(transport) if half_dtype is None else half_precision_reducer(transport, half_dtype)
 
@@ -266,12 +266,8 @@ def build_reducer(
             f"--comm-hook {kind} needs data parallelism over all {dist.get_world_size()} ranks, "
             f"but the data-parallel group has {dp_size}; drop --tp-degree or use --comm-hook allreduce"
         )
-    if ranks_per_node is not None or node_of_rank is None:
-        num_nodes = validate_ranks_per_node(ranks_per_node, dp_size)
-        intra, inter = node_groups(ranks_per_node, dp_size, device_type)
-    else:
-        intra, inter = node_groups_of(node_of_rank, device_type)
-        num_nodes = len(set(node_of_rank))
-    # Every rank agrees on num_nodes, so skipping a one-rank inter leg is uniform.
-    inter_transport = make_transport(inter) if num_nodes > 1 else None
+    intra, inter = (dims or ParallelDims(world_size=dp_size)).node_groups(device_type)
+    # The inter-node group holds one rank per node: every rank agrees on its size, so
+    # skipping a one-rank inter leg is uniform.
+    inter_transport = make_transport(inter) if dist.get_world_size(inter) > 1 else None
     return hierarchical_reducer(intra, inter_transport, half_dtype)

@@ -9,13 +9,15 @@ the rest. This module builds, registers and owns the hook that replaces that all
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
+from distlm.layout import Layout
+from distlm.mesh import ParallelDims
 from distlm.parallel.comm_hooks import Reducer, build_reducer, completed
 from distlm.parallel.mpi_transport import mpi_transport_factory
 
@@ -44,27 +46,22 @@ def apply_ddp(
 
 
 def build_comm_hook(
-    kind: str,
-    transport: str,
-    double_buffering: bool,
-    dp_group: dist.ProcessGroup | None,
-    device_type: str,
-    ranks_per_node: int | None = None,
-    node_of_rank: Sequence[int] | None = None,
+    layout: Layout, dims: ParallelDims, dp_group: dist.ProcessGroup | None, device_type: str
 ) -> tuple[Callable | None, DoubleBufferState | None]:
-    """The DDP communication hook of ``--comm-hook kind`` over ``--comm-transport transport``,
-    and the double-buffering state if any; call it on every rank together.
+    """The DDP communication hook of ``layout``'s ``--comm-hook`` over its ``--comm-transport``,
+    and the double-buffering state if any; call it on every rank together. A hierarchical hook
+    reduces over the node axis of ``dims``.
 
     ``(None, None)`` means DDP's built-in C++ all-reduce, which is exactly ``allreduce``
     over the process group; every other choice is a Python hook around a reducer.
     """
-    if kind == "allreduce" and transport == "torch" and not double_buffering:
+    if not layout.hooks_asked:
         return None, None
     reducer = build_reducer(
-        kind, dp_group, ranks_per_node=ranks_per_node, node_of_rank=node_of_rank, device_type=device_type,
-        inter_transport_factory=mpi_transport_factory(device_type) if transport == "mpi" else None,
+        layout.comm_hook, dp_group, dims=dims, device_type=device_type,
+        inter_transport_factory=mpi_transport_factory(device_type) if layout.comm_transport == "mpi" else None,
     )
-    if double_buffering:
+    if layout.double_buffering:
         return double_buffered_hook(reducer)
     return ddp_hook(reducer), None
 

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from distlm.backends.base import probe_grouped_mm
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.mesh import ParallelDims
 from distlm.models.moe.model import MoEFeedForward, moe_layers
 from distlm.state.names import local_shard
@@ -61,7 +62,8 @@ from distlm.state.names import local_shard
 logger = logging.getLogger("distlm")
 
 
-def check_expert_parallel(model: nn.Module, dims: ParallelDims, name: str, sequence_parallel: bool = False) -> None:
+def check_expert_parallel(model: nn.Module, dims: ParallelDims, name: str,
+                          sequence_parallel: bool = Layout.sequence_parallel) -> None:
     """UsageError for a layout the model's experts cannot take (a meta model is enough),
     before any rendezvous."""
     layers = moe_layers(model)

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.models.contract import model_blocks
 from distlm.precision import MODE_DTYPES
 
@@ -65,7 +66,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
-    cpu_offload: bool = False,
+    cpu_offload: bool = Layout.cpu_offload,
     ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``dp_mesh`` and return it.

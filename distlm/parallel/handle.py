@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
+from distlm.layout import Layout
 from distlm.mesh import ParallelDims
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel.ddp import DoubleBufferState
@@ -52,7 +53,7 @@ class DataParallelHandle:
     """ChainerMN double buffering: gradients arrive one update late."""
     mixed_precision_by_strategy: bool = False
     """FSDP's MixedPrecisionPolicy casts parameters itself, so no autocast is layered on top."""
-    sync_bucket_mb: float = 25.0
+    sync_bucket_mb: float = Layout.bucket_cap_mb
     foreach_clip: bool | None = True
     """foreach value of the clipping kernels: None where the device has no foreach kernels (XLA)."""
     expert_gradients: Any = None

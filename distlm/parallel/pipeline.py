@@ -36,9 +36,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from distlm.choices import PP_LOOPED_SCHEDULES, PP_ZERO_BUBBLE_SCHEDULES, pp_microbatches
+from distlm.choices import PP_LOOPED_SCHEDULES
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
+from distlm.layout import Layout, PipelineLayout
 from distlm.models.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
@@ -68,31 +69,12 @@ PARTS = ("embed", "block_args", "head", "embed_modules", "head_modules")
 """What a model declares so that its forward can be cut into stages (models/contract.py)."""
 
 
-@dataclass(frozen=True)
-class PipelineOptions:
-    schedule: str = "1f1b"
-    microbatches: int = 0
-    """0: twice the pipeline degree."""
-    stages_per_rank: int = 1
-    split: str | None = None
-
-
-def options_from_config(settings: Any) -> PipelineOptions:
-    """The pipeline fields of a ``DistributedConfig``."""
-    return PipelineOptions(settings.pp_schedule, settings.pp_microbatches, settings.pp_stages_per_rank,
-                           settings.pp_split)
-
-
-def microbatch_count(options: PipelineOptions, degree: int) -> int:
-    return pp_microbatches(options.microbatches, degree)
-
-
 # --------------------------------------------------------------------- checks
 
 def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str) -> None:
     """UsageError for a pipeline layout that cannot run (``model`` may be on meta)."""
-    settings, options = config.distributed, options_from_config(config.distributed)
-    degree, per_rank = dims.pp, options.stages_per_rank
+    layout = Layout.from_config(config.distributed)
+    pipeline, degree = layout.pipeline, dims.pp
     blocks = model_blocks(model)
     if blocks is None or len(blocks) == 0:
         raise UsageError(f"--pp-degree cuts the model along its blocks, and {name} declares none "
@@ -101,44 +83,27 @@ def check_pipeline(model: nn.Module, config: Any, dims: ParallelDims, name: str)
     if missing:
         raise UsageError(f"--pp-degree runs {name}'s forward in parts, and it lacks {', '.join(missing)} "
                          "(see distlm/models/contract.py); drop --pp-degree or add them")
-    stages = degree * per_rank
+    stages = pipeline.stage_count(degree)
     if stages > len(blocks):
-        raise UsageError(f"--pp-degree {degree} x --pp-stages-per-rank {per_rank} = {stages} stages, but {name} "
-                         f"has {len(blocks)} block{'s' if len(blocks) != 1 else ''}; use at most {len(blocks)} "
-                         f"stage{'s' if len(blocks) != 1 else ''}")
-    schedule = options.schedule
-    if schedule == "zbv" and per_rank != 2:
-        raise UsageError(f"--pp-schedule zbv runs exactly 2 stages per rank; set --pp-stages-per-rank 2 "
-                         f"(got {per_rank})")
-    if schedule in PP_LOOPED_SCHEDULES and per_rank < 2:
-        raise UsageError(f"--pp-schedule {schedule} loops over several stages per rank; "
-                         "set --pp-stages-per-rank 2 or more, or use --pp-schedule 1f1b")
-    if schedule not in PP_LOOPED_SCHEDULES and per_rank > 1:
-        raise UsageError(f"--pp-schedule {schedule} runs one stage per rank; drop --pp-stages-per-rank "
-                         "or use interleaved-1f1b, zero-bubble or zbv")
-    count = microbatch_count(options, degree)
-    if count < degree:
-        raise UsageError(f"--pp-microbatches {count} is fewer than the --pp-degree {degree}; "
-                         "use at least as many micro-batches as stages")
-    if config.data.batch_size % count:
-        raise UsageError(f"--batch-size {config.data.batch_size} does not split into --pp-microbatches {count}; "
-                         "make the batch size a multiple of the micro-batches")
-    if schedule in PP_LOOPED_SCHEDULES and count % degree:
-        raise UsageError(f"--pp-schedule {schedule} wants --pp-microbatches a multiple of --pp-degree {degree}, "
-                         f"got {count}")
-    if settings.pp_split is not None:
-        parse_split(settings.pp_split, stages, len(blocks))
-    if settings.double_buffering or settings.comm_hook != "allreduce" or settings.comm_transport != "torch":
+        raise UsageError(f"--pp-degree {degree} x --pp-stages-per-rank {pipeline.stages_per_rank} = {stages} stages, "
+                         f"but {name} has {len(blocks)} block{'s' if len(blocks) != 1 else ''}; use at most "
+                         f"{len(blocks)} stage{'s' if len(blocks) != 1 else ''}")
+    pipeline.check_stages_per_rank()
+    pipeline.check_microbatches(degree, config.data.batch_size)
+    if pipeline.split is not None:
+        parse_split(pipeline.split, stages, len(blocks))
+    if layout.hooks_asked:
         raise UsageError("--comm-hook/--double-buffering/--comm-transport do not compose with --pp-degree "
                          "(the pipeline drives DDP's reducer itself); drop them")
-    if config.compile.compile and schedule in PP_ZERO_BUBBLE_SCHEDULES:
-        raise UsageError(f"--pp-schedule {schedule} splits backward into input and weight parts, which torch "
-                         "cannot do for compiled blocks; drop --compile or use interleaved-1f1b")
-    if settings.sequence_parallel and per_rank > 1 and "sequence_region" in getattr(model, "tp_plan", {}).values():
+    if config.compile.compile and pipeline.splits_backward:
+        raise UsageError(f"--pp-schedule {pipeline.schedule} splits backward into input and weight parts, which "
+                         "torch cannot do for compiled blocks; drop --compile or use interleaved-1f1b")
+    if layout.sequence_parallel and pipeline.stages_per_rank > 1 and \
+            "sequence_region" in getattr(model, "tp_plan", {}).values():
         raise UsageError(f"--sequence-parallel shards {name}'s blocks as one sequence region, which a rank's "
                          "several stages would split; use --pp-stages-per-rank 1 or drop --sequence-parallel")
     tied = set(model.embed_modules) & set(model.head_modules)
-    if schedule == "zbv" and tied and dims.dp_enabled:
+    if pipeline.schedule == "zbv" and tied and dims.dp_enabled:
         raise UsageError(f"--pp-schedule zbv puts the first and the last stage on one rank, where {name}'s tied "
                          f"{', '.join(sorted(tied))} would be wrapped twice for data parallel; use interleaved-1f1b")
 
@@ -286,13 +251,13 @@ class PipelineRunner:
     for validation; owns the tied-embedding group and the pipeline's loss reduction."""
 
     def __init__(self, model: nn.Module, chunks: list[nn.Module], stage_ids: list[int], dims: ParallelDims,
-                 device: torch.device, options: PipelineOptions, tied: list[nn.Parameter],
+                 device: torch.device, pipeline: PipelineLayout, tied: list[nn.Parameter],
                  tied_group: dist.ProcessGroup | None):
         self.model, self.dims, self.device = model, dims, device
-        self.options = options
+        self.pipeline = pipeline
         self.group = dims.pp_group(device.type)
-        self.stage_count = dims.pp * options.stages_per_rank
-        self.microbatches = microbatch_count(options, dims.pp)
+        self.stage_count = pipeline.stage_count(dims.pp)
+        self.microbatches = pipeline.microbatch_count(dims.pp)
         self.holds_first = 0 in stage_ids
         self.holds_last = self.stage_count - 1 in stage_ids
         self.tied, self.tied_group = tied, tied_group
@@ -300,9 +265,9 @@ class PipelineRunner:
         self.ddp_chunks = [chunk for chunk in chunks if isinstance(chunk, DistributedDataParallel)]
         self._factor: torch.Tensor | float = 1.0
         self._losses: list[torch.Tensor] = []
-        self.train_schedule = self._schedule(chunks, stage_ids, options.schedule, self._scaled_loss)
+        self.train_schedule = self._schedule(chunks, stage_ids, pipeline.schedule, self._scaled_loss)
         # Validation batches have their own shape: stages of their own, forward only.
-        eval_name = "gpipe" if options.schedule not in PP_LOOPED_SCHEDULES else options.schedule
+        eval_name = pipeline.schedule if pipeline.looped else "gpipe"
         self.eval_schedule = self._schedule(chunks, stage_ids, eval_name, self._scaled_loss)
         if eval_name == "zbv":
             # torch 2.13's zbv still hands gradients between a rank's two stages when run
@@ -452,9 +417,9 @@ class StageLayout:
         return len(self.ranges)
 
 
-def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineOptions) -> StageLayout:
+def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineLayout) -> StageLayout:
     """``model`` cut down to this rank's stages, before tensor parallel and the rest apply."""
-    stage_count = dims.pp * pipeline.stages_per_rank
+    stage_count = pipeline.stage_count(dims.pp)
     blocks = len(model_blocks(model))
     ranges = (parse_split(pipeline.split, stage_count, blocks) if pipeline.split
               else balanced_split(model, stage_count))
@@ -466,10 +431,12 @@ def cut_stages(model: nn.Module, dims: ParallelDims, pipeline: PipelineOptions) 
 
 
 def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.device, options: Any,
-                       pipeline: PipelineOptions, whole_model: Callable[..., nn.Module] | None,
+                       whole_model: Callable[..., nn.Module] | None,
                        fill_shards: Callable[[nn.Module], None] | None) -> tuple[nn.Module, PipelineHandle]:
     """FSDP or DDP around each of this rank's stage chunks (their layers already transformed),
-    the weights, and the schedules; the pruned model and its handle."""
+    the weights, and the schedules (``options``: ``parallel.api.ParallelOptions``, its layout's
+    pipeline); the pruned model and its handle."""
+    pipeline = options.layout.pipeline
     model, ranges, stage_ids, last_stage = layout.model, layout.ranges, layout.stage_ids, layout.stage_count - 1
     mesh = dims.build_mesh(device.type)
     chunks = [StageChunk(model, ranges[s], s == 0, s == last_stage,
@@ -497,7 +464,8 @@ def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.de
         if dims.tp_enabled:
             shard_gradients_like_parameters(model)
     if dims.dp_enabled and not fsdp and not dims.tp_enabled and not experts:
-        chunks = [apply_ddp(chunk, device, dims.dp_group(device.type), options.bucket_cap_mb) for chunk in chunks]
+        chunks = [apply_ddp(chunk, device, dims.dp_group(device.type), options.layout.bucket_cap_mb)
+                  for chunk in chunks]
     tied_names = sorted(set(layout.embed_modules) & set(layout.head_modules))
     tied = [p for name in tied_names if getattr(model, name, None) is not None
             for p in getattr(model, name).parameters()]
@@ -510,7 +478,7 @@ def parallelize_stages(layout: StageLayout, dims: ParallelDims, device: torch.de
         model=model, dims=dims, dp_group=dims.dp_group(device.type),
         shards_optimizer_state=dims.strategy == "zero1" and dims.dp_enabled,
         mixed_precision_by_strategy=fsdp and param_dtype is not None,
-        sync_bucket_mb=options.bucket_cap_mb, foreach_clip=options.foreach_clip, runner=runner,
+        sync_bucket_mb=options.layout.bucket_cap_mb, foreach_clip=options.foreach_clip, runner=runner,
         expert_gradients=expert_gradients,
     )
     return model, handle

@@ -91,6 +91,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.models.contract import model_blocks, model_tp_plan
 
 logger = logging.getLogger("distlm")
@@ -126,7 +127,7 @@ def validate_tp(
     model: nn.Module,
     tp_degree: int,
     *,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = Layout.sequence_parallel,
     tokens_per_sample: int | None = None,
     arch: str | None = None,
 ) -> None:

@@ -46,6 +46,7 @@ with warnings.catch_warnings():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from distlm.layout import Layout
 from distlm.optim import AdamWSettings, Fp32StateAdamW, adamw_kernel, build_optimizer
 from distlm.state.names import local_shard
 
@@ -60,7 +61,7 @@ def build_zero1_optimizer(
     settings: AdamWSettings,
     dp_group: dist.ProcessGroup | None,
     param_dtype: torch.dtype,
-    sync_bucket_mb: float = 25.0,
+    sync_bucket_mb: float = Layout.bucket_cap_mb,
 ) -> torch.optim.Optimizer:
     """AdamW with the hyperparameters of ``distlm.optim.build_optimizer``, its state sharded over ``dp_group``.
 
@@ -96,7 +97,7 @@ class Zero1Optimizer(ZeroRedundancyOptimizer):
         params: Iterable[torch.nn.Parameter],
         optimizer_class: type[torch.optim.Optimizer],
         process_group: dist.ProcessGroup,
-        sync_bucket_mb: float = 25.0,
+        sync_bucket_mb: float = Layout.bucket_cap_mb,
         **defaults: Any,
     ):
         super().__init__(params, optimizer_class, process_group=process_group, **defaults)

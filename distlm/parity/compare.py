@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from distlm.choices import comm_hook_wire_dtype
+from distlm.choices import COMM_HOOK_KINDS
 from distlm.precision import DTYPES, MODE_DTYPES
 
 EPSILON = {name: torch.finfo(dtype).eps for name, dtype in DTYPES.items()}
@@ -69,7 +69,7 @@ class Tolerance:
 def tolerance_for(precision: str, comm_hook: str) -> Tolerance:
     """The tolerance of a layout computing in ``precision`` and reducing with ``comm_hook``."""
     dtypes = [MODE_DTYPES[precision].compute]
-    wire = comm_hook_wire_dtype(comm_hook)
+    wire = COMM_HOOK_KINDS[comm_hook].wire_dtype
     if wire is not None:
         dtypes.append(wire)
     coarsest = max(dtypes, key=EPSILON.__getitem__)

@@ -10,8 +10,8 @@ from distlm.backends.hardware import measure_cpu_matmul_flops, peak_flops
 from distlm.models.flops import ModelShape, count_parameters, flops_per_token, model_flops_utilization, model_shape
 from distlm.plan.model import (
     Cluster,
-    Layout,
     Link,
+    Placement,
     Projection,
     Workload,
     available_clusters,
@@ -24,9 +24,9 @@ from distlm.plan.model import (
 __all__ = [
     "Calibration",
     "Cluster",
-    "Layout",
     "Link",
     "ModelShape",
+    "Placement",
     "Projection",
     "Workload",
     "available_clusters",

@@ -21,6 +21,7 @@ from typing import Sequence
 from distlm.choices import COMM_HOOKS, PP_SCHEDULES, STRATEGIES
 from distlm.config import check_shared_settings
 from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
+from distlm.layout import Layout, PipelineLayout
 from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.models.flops import count_parameters, flops_per_token, model_shape
 from distlm.plan.model import (
@@ -29,8 +30,8 @@ from distlm.plan.model import (
     Projection,
     Workload,
     available_clusters,
-    layouts,
     load_cluster,
+    placements,
     project,
     resolve_batch,
 )
@@ -49,16 +50,18 @@ def build_parser() -> OneLineErrorParser:
     add("--ranks", type=whole_number_list("--ranks"), default=None,
         help="total rank counts instead of --nodes; fewer than a node's ranks use part of one node")
     add("--ranks-per-node", type=int, default=None, help="override the profile's ranks per node")
-    add("--strategy", default="ddp", choices=STRATEGIES, help="ddp, zero1 or fsdp")
-    add("--tp-degree", type=int, default=1, help="tensor-parallel degree (inside a node)")
-    add("--pp-degree", type=int, default=1, help="pipeline stages (outermost: pp x dp x tp ranks)")
-    add("--ep-degree", type=int, default=1,
+    add("--strategy", default=Layout.strategy, choices=STRATEGIES, help="ddp, zero1 or fsdp")
+    add("--tp-degree", type=int, default=Layout.tp_degree, help="tensor-parallel degree (inside a node)")
+    add("--pp-degree", type=int, default=Layout.pp_degree, help="pipeline stages (outermost: pp x dp x tp ranks)")
+    add("--ep-degree", type=int, default=Layout.ep_degree,
         help="expert parallel: consecutive data-parallel ranks that split each MoE layer's experts")
-    add("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (default 1f1b)")
-    add("--pp-microbatches", type=int, default=None,
-        help="micro-batches each --batch-size is split into per pipeline pass (default 2 x --pp-degree)")
-    add("--pp-stages-per-rank", type=int, default=None,
-        help="stages per rank of the looped schedules (interleaved-1f1b, zero-bubble; zbv runs 2)")
+    add("--pp-schedule", default=PipelineLayout.schedule, choices=PP_SCHEDULES,
+        help=f"pipeline schedule (default {PipelineLayout.schedule})")
+    add("--pp-microbatches", type=int, default=PipelineLayout.microbatches,
+        help="micro-batches each --batch-size is split into per pipeline pass (default 0: 2 x --pp-degree)")
+    add("--pp-stages-per-rank", type=int, default=PipelineLayout.stages_per_rank,
+        help=f"stages per rank (default {PipelineLayout.stages_per_rank}; the looped schedules interleaved-1f1b and "
+             "zero-bubble run 2 or more, zbv exactly 2)")
     add("--batch-size", type=int, default=None, help="samples per micro-batch per data-parallel replica (default 16)")
     add("--update-freq", type=int, default=None, help="micro-batches per update (default 1)")
     add("--global-batch-size", type=int, default=None,
@@ -67,9 +70,10 @@ def build_parser() -> OneLineErrorParser:
     add("--vocab-size", type=int, default=None,
         help="vocabulary size (default: the config's, or the arch namesake's published one)")
     add("--precision", default="fp32", choices=DTYPES, help="compute precision (fp16/bf16: autocast, fp32 weights)")
-    add("--comm-hook", default="allreduce", choices=COMM_HOOKS, help="gradient all-reduce algorithm of DDP's buckets")
+    add("--comm-hook", default=Layout.comm_hook, choices=COMM_HOOKS,
+        help="gradient all-reduce algorithm of DDP's buckets")
     add("--double-buffering", action="store_true", help="ChainerMN double buffering (one-step-stale gradients)")
-    add("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket size in MiB")
+    add("--bucket-cap-mb", type=float, default=Layout.bucket_cap_mb, help="DDP gradient bucket size in MiB")
     add("--allreduce-algorithm", default="ring", choices=ALLREDUCE_ALGORITHMS,
         help="flat all-reduce: ring, tree, or auto (the faster per message, as NCCL picks)")
     add("--sequence-parallel", action="store_true", help="with --tp-degree: shard activations along the sequence")
@@ -100,18 +104,16 @@ def plan(args: argparse.Namespace) -> tuple[list[Projection], list[str]]:
             "overlap compute only while a core is idle, and one issued while its rank computes shares its cores"
         )
     shape = model_shape(args.arch, args.vocab_size)
+    # The flags keep distlm.train's names, but --ranks-per-node: here the cluster's, not simulated nodes.
+    layout = Layout.from_settings({name: value for name, value in vars(args).items() if name != "ranks_per_node"})
     rows = []
-    for layout in layouts(cluster, args.nodes, args.ranks, args.tp_degree, args.pp_degree, args.ep_degree):
-        micro, update_freq = resolve_batch(layout.dp, args.batch_size, args.update_freq, args.global_batch_size)
+    for placement in placements(cluster, args.nodes, args.ranks, layout):
+        micro, update_freq = resolve_batch(placement.dp, args.batch_size, args.update_freq, args.global_batch_size)
         workload = Workload(
-            shape=shape, strategy=args.strategy, precision=args.precision, tokens_per_sample=args.tokens_per_sample,
-            batch_size=micro, update_freq=update_freq, comm_hook=args.comm_hook, double_buffering=args.double_buffering,
-            bucket_cap_mb=args.bucket_cap_mb, allreduce_algorithm=args.allreduce_algorithm,
-            sequence_parallel=args.sequence_parallel, activation_checkpointing=args.activation_checkpointing,
-            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-            pp_stages_per_rank=args.pp_stages_per_rank,
+            shape=shape, layout=layout, precision=args.precision, tokens_per_sample=args.tokens_per_sample,
+            batch_size=micro, update_freq=update_freq, allreduce_algorithm=args.allreduce_algorithm,
         )
-        rows.append(project(workload, cluster, layout))
+        rows.append(project(workload, cluster, placement))
     header = [
         f"{args.arch}: {count_parameters(shape) / 1e9:.3f} B parameters (vocabulary {shape.vocab_size}), "
         f"{flops_per_token(shape, args.tokens_per_sample) / 1e9:.3f} GFLOP per token "

@@ -30,10 +30,10 @@
   DDP's buckets filled before backward ends) shares the cores with that compute: it runs
   slower than the probe that timed it alone, by the ratio of runnable threads to cores
   in the two cases (``collective_slowdown``).
-* Memory: fp32 weights, fp32 gradients and Adam's two fp32 moments (16 bytes a parameter,
-  as distlm keeps them in every precision mode), sharded as the strategy shards them,
-  split by the tensor-parallel degree where the model's TP plan splits them; plus an
-  estimate of activations.
+* Memory: weights, gradients and Adam's two fp32 moments (``training.memory.zero_formula_bytes``:
+  16 bytes a parameter in the precisions planned, whose autocast keeps fp32 weights), sharded
+  as the strategy shards them, split by the tensor-parallel degree where the model's TP plan
+  splits them; plus an estimate of activations.
 * Pipeline parallel (``--pp-degree``, mesh order pp, dp, tp): each stage is projected on
   its own (its blocks, the embedding on the first, the head on the last, its data-parallel
   group and optimizer), one pipeline micro-batch at a time. A pass of M micro-batches
@@ -48,7 +48,7 @@
 * Mixture of experts: compute counts the parameters a token multiplies (its top-k experts,
   ``flops.active_matmul_parameters``). Expert parallel (``--ep-degree``, groups of
   consecutive data-parallel ranks) holds ``1/ep`` of each MoE layer's experts whole on each
-  rank, outside the dense strategy: 16 bytes a parameter, updated where they live, their
+  rank, outside the dense strategy (weights, gradients and moments unsharded), updated where they live, their
   gradients all-reduced over the ranks holding the same experts once backward is done (on
   the critical path). Each MoE layer's all-to-alls (tokens to their experts and back, in
   forward and backward) and its routing statistics' all-reduce run inside the block, on the
@@ -66,16 +66,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from distlm.choices import (
-    COLLECTIVES,
-    PP_LOOPED_SCHEDULES,
-    PP_ZERO_BUBBLE_SCHEDULES,
-    PROFILE_DEVICE_TYPES,
-    comm_hook_wire_dtype,
-    pp_microbatches,
-)
+from distlm.choices import COLLECTIVES, PROFILE_DEVICE_TYPES
 from distlm.config import check_shared_settings
 from distlm.errors import UsageError
+from distlm.layout import Layout, PipelineLayout
 from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.config import DataConfig
@@ -83,7 +77,7 @@ from distlm.models import registry
 from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, local_parameters
 from distlm.models.sizes import LocalParameters
 from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
-from distlm.precision import DTYPES, dtype_name
+from distlm.precision import DTYPES, MODE_DTYPES, dtype_name
 
 GIB = 1024**3
 MIB = 1024**2
@@ -394,19 +388,19 @@ def hierarchical_allreduce_time(
     return intra + inter
 
 
-def host_ranks(layout: Layout, cluster: Cluster) -> int:
+def host_ranks(layout: Placement, cluster: Cluster) -> int:
     """Ranks sharing one host's cores: a node's, or every rank on a single host."""
     return layout.world if cluster.single_host else layout.ranks_per_node
 
 
-def cpu_busy_threads(layout: Layout, cluster: Cluster) -> int | None:
+def cpu_busy_threads(layout: Placement, cluster: Cluster) -> int | None:
     """Compute threads on one CPU host (ranks x threads per rank); None off CPU."""
     if cluster.device_type != "cpu" or not cluster.cores_per_node:
         return None
     return host_ranks(layout, cluster) * (cluster.cpu_threads_per_rank or 1)
 
 
-def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
+def compute_slowdown(layout: Placement, cluster: Cluster) -> float:
     """How much slower each rank computes because its host's cores are shared: as measured
     with that many one-rank updates at once, else ranks x threads over cores when they
     exceed them (the scheduler time-slices), else 1."""
@@ -417,21 +411,21 @@ def compute_slowdown(layout: Layout, cluster: Cluster) -> float:
     return measured[0] if measured else max(1.0, busy / cluster.cores_per_node)
 
 
-def memory_slowdown(layout: Layout, cluster: Cluster) -> float:
+def memory_slowdown(layout: Placement, cluster: Cluster) -> float:
     """The same for the memory-bound work (optimizer step, FSDP's copies): as measured for
     the optimizer step, else ``compute_slowdown``."""
     measured = measured_host_sharing(layout, cluster)
     return measured[1] if measured else compute_slowdown(layout, cluster)
 
 
-def measured_host_sharing(layout: Layout, cluster: Cluster) -> tuple[float, float] | None:
+def measured_host_sharing(layout: Placement, cluster: Cluster) -> tuple[float, float] | None:
     """``(compute, optimizer)`` slowdowns calibrated for this many ranks on a CPU host; None without."""
     if cpu_busy_threads(layout, cluster) is None:
         return None
     return cluster.measured_host_sharing.get(host_ranks(layout, cluster))
 
 
-def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
+def collective_slowdown(layout: Placement, cluster: Cluster) -> float:
     """How much longer a CPU collective takes beside its rank's compute than alone.
 
     Alone (the collective probe), each rank's communication thread is the only one
@@ -449,7 +443,7 @@ def collective_slowdown(layout: Layout, cluster: Cluster) -> float:
     return beside / alone
 
 
-def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
+def communication_overlaps(layout: Placement, cluster: Cluster) -> bool:
     """Whether collectives can run beside compute. Accelerators have engines of their own
     for them; CPU ranks need a core, and when every core computes (ranks x threads >=
     cores) each collective's time adds to the step."""
@@ -461,17 +455,32 @@ def communication_overlaps(layout: Layout, cluster: Cluster) -> bool:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where the ranks are: ``nodes`` x ``ranks_per_node``, tensor parallel inside a node,
-    ``pp`` pipeline stages outermost (each a block of world / pp consecutive ranks)."""
+class Placement:
+    """Where the ranks are: ``nodes`` x ``ranks_per_node``, split by the degrees of ``layout``:
+    tensor parallel inside a node, pipeline stages outermost (each a block of world / pp
+    consecutive ranks), expert parallel over groups of consecutive data-parallel ranks (as
+    distlm's ``ParallelDims`` lays them out)."""
 
     nodes: int
     ranks_per_node: int
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    """Expert parallel: groups of ``ep`` consecutive data-parallel ranks split each MoE layer's
-    experts (distlm's ``ParallelDims.ep``)."""
+    layout: Layout = field(default_factory=Layout)
+    """The run's layout; its tensor-, pipeline- and expert-parallel degrees place the ranks."""
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp_degree
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp_degree
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep_degree
+
+    def one_replica(self) -> Placement:
+        """One model replica alone: its tensor- and pipeline-parallel ranks on one node, no expert parallel."""
+        return Placement(1, self.tp * self.pp, dataclasses.replace(self.layout, ep_degree=Layout.ep_degree))
 
     @property
     def world(self) -> int:
@@ -519,28 +528,20 @@ class Stage:
 
 @dataclass(frozen=True)
 class Workload:
-    """What one update runs: model, strategy and its settings (distlm.train's meanings)."""
+    """What one update runs: the model, the run's layout, precision and batch (distlm.train's meanings)."""
 
     shape: ModelShape
-    strategy: str = "ddp"
+    layout: Layout = field(default_factory=Layout)
+    """Strategy, communication hook and buckets, sequence parallel, activation checkpointing and
+    pipeline; its degrees are the placement's (``project`` checks they agree)."""
     precision: str = "fp32"
     tokens_per_sample: int = 128
     batch_size: int = 16
     """Samples per micro-batch per data-parallel replica."""
     update_freq: int = 1
-    comm_hook: str = "allreduce"
-    double_buffering: bool = False
-    bucket_cap_mb: float = 25.0
     allreduce_algorithm: str = "ring"
-    sequence_parallel: bool = False
-    activation_checkpointing: bool = False
     mask_prob: float = DataConfig.mask_prob
     """distlm.train's --mask-prob: a masked LM's output runs at that share of the positions only."""
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int | None = None
-    """Pipeline micro-batches each ``batch_size`` is split into (None: 2 x the pp degree)."""
-    pp_stages_per_rank: int | None = None
-    """Stages each rank runs (looped schedules); None: 1, or 2 for zbv."""
     stage: Stage | None = None
     """The pipeline stage a rank runs (set by ``project_pipeline``); None: the whole model."""
 
@@ -555,7 +556,8 @@ class Workload:
 
     @property
     def activation_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        """Bytes of an activation (and of a parameter FSDP gathers): the compute type's."""
+        return MODE_DTYPES[self.precision].compute_bytes
 
 
 @dataclass
@@ -592,15 +594,15 @@ class Projection:
     activation_bytes_per_rank: float
     device_memory_bytes: float
     fits: bool
-    pp_degree: int = 1
+    pp_degree: int = Layout.pp_degree
     pp_schedule: str | None = None
     pp_microbatches: int = 1
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = PipelineLayout.stages_per_rank
     pp_bubble_s: float = 0.0
     """Idle pipeline slots of the update (its passes' bubbles)."""
     pp_p2p_s: float = 0.0
     """Point-to-point activation and gradient transfers on the slowest stage's critical path."""
-    ep_degree: int = 1
+    ep_degree: int = Layout.ep_degree
     moe_comm_s: float = 0.0
     """A mixture of experts' collectives inside forward and backward, on the critical path: the
     all-to-alls that carry tokens to their experts and back, and the routing statistics'
@@ -623,7 +625,7 @@ class Projection:
 
 
 
-def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
+def rank_parameters(workload: Workload, layout: Placement) -> LocalParameters:
     """``local_parameters`` of the part of the model this rank runs: under pipeline
     parallel, its stage's blocks, the embedding on the first stage and the final norm and
     output on the last (a tied output keeps its own copy of the embedding there)."""
@@ -641,21 +643,22 @@ def rank_parameters(workload: Workload, layout: Layout) -> LocalParameters:
     )
 
 
-def memory_per_rank(workload: Workload, layout: Layout) -> dict[str, float]:
-    """Bytes per rank in parameters, gradients and Adam state (16 bytes a parameter in
-    fp32, as distlm keeps them), sharded by strategy: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N,
-    FSDP 16Ψ/N, with Ψ the tensor-parallel rank's share; plus an activation estimate. Under
-    expert parallel the dense strategy holds the dense parameters only, and each rank its
-    share of the experts whole (16 bytes each; ``expert_bytes``)."""
+def memory_per_rank(workload: Workload, layout: Placement) -> dict[str, float]:
+    """Bytes per rank in parameters, gradients and Adam state, sharded by strategy as the
+    ZeRO formulas say (``zero_formula_bytes``: DDP 16Ψ, ZeRO-1 4Ψ + 4Ψ + 8Ψ/N, FSDP 16Ψ/N with
+    the fp32 weights of the planned precisions), with Ψ the tensor-parallel rank's share; plus an
+    activation estimate. Under expert parallel the dense strategy holds the dense parameters
+    only, and each rank its share of the experts whole (``expert_bytes``)."""
     local = rank_parameters(workload, layout)
-    held = zero_formula_bytes(local.dense_total, layout.dp, ZERO_STAGES[workload.strategy])
-    experts = zero_formula_bytes(local.experts, 1, 0)
+    held = zero_formula_bytes(local.dense_total, layout.dp, ZERO_STAGES[workload.layout.strategy],
+                              precision=workload.precision)
+    experts = zero_formula_bytes(local.experts, 1, 0, precision=workload.precision)
     held = {key: held[key] + experts[key] for key in held}
     return {**held, "expert_bytes": experts["total_bytes"],
             "activation_bytes": activation_bytes_per_rank(workload, layout)}
 
 
-def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
+def activation_bytes_per_rank(workload: Workload, layout: Placement) -> float:
     """Estimated bytes kept for backward by one micro-batch (Korthikanti et al. 2022 per
     block, plus fp32 logits and their gradient); with activation checkpointing, each
     block's input plus one block recomputed at a time."""
@@ -664,7 +667,7 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
     scale = workload.activation_bytes / 2
     if tp == 1:
         per_unit = ACTIVATION_BYTES_PER_TOKEN_UNIT
-    elif workload.sequence_parallel:
+    elif workload.layout.sequence_parallel:
         per_unit = ACTIVATION_BYTES_PER_TOKEN_UNIT / tp
     else:
         per_unit = 10 + 24 / tp
@@ -672,8 +675,8 @@ def activation_bytes_per_rank(workload: Workload, layout: Layout) -> float:
     if s.n_experts:
         block += tokens * (moe_mlp_bytes_per_token(s) - s.n_moe_layers / s.n_layers * DENSE_MLP_BYTES_PER_TOKEN_UNIT
                            * s.dim) * scale
-    if workload.activation_checkpointing:
-        inputs = tokens * s.dim * workload.activation_bytes / (tp if workload.sequence_parallel else 1)
+    if workload.layout.activation_checkpointing:
+        inputs = tokens * s.dim * workload.activation_bytes / (tp if workload.layout.sequence_parallel else 1)
         blocks = s.n_layers * inputs + block
     else:
         blocks = s.n_layers * block
@@ -710,7 +713,7 @@ class Segment:
 
 
 def micro_batch_segments(
-    workload: Workload, layout: Layout, cluster: Cluster
+    workload: Workload, layout: Placement, cluster: Cluster
 ) -> tuple[list[Segment], list[Segment], float]:
     """Forward segments (embedding, blocks, head) and backward segments (head, blocks in
     reverse, embedding) of one micro-batch on one rank, with the tensor-parallel
@@ -731,13 +734,13 @@ def micro_batch_segments(
     fwd_block = tokens * (2 * local.compute_per_block + attention) / flops_rate
     head_tokens = tokens * workload.output_fraction
     fwd_head = head_tokens * 2 * (local.matmul_head + local.matmul_embedding) / flops_rate
-    recompute = fwd_block if workload.activation_checkpointing else 0.0
+    recompute = fwd_block if workload.layout.activation_checkpointing else 0.0
     # Tensor parallel: two activation all-reduces per block in forward (after attention and
     # after the feed-forward) and two in backward (their input gradients), as all-reduces
     # or, with sequence parallel, as all-gathers + reduce-scatters of the same bytes.
     tp_allreduce = collective_time("all_reduce", tokens * s.dim * workload.activation_bytes, Group(tp, 1), cluster)
     tp_fwd = 2 * tp_allreduce
-    tp_bwd = 2 * tp_allreduce + (tp_fwd if workload.activation_checkpointing else 0.0)
+    tp_bwd = 2 * tp_allreduce + (tp_fwd if workload.layout.activation_checkpointing else 0.0)
     # A mixture of experts' collectives ride with the tensor-parallel ones, on the critical path.
     moe_fwd, moe_bwd = moe_block_seconds(workload, layout, cluster)
     forward = [Segment(0.0, 0.0)] + [Segment(fwd_block + tp_fwd + moe_fwd, 0.0)] * s.n_layers + [Segment(fwd_head, 0.0)]
@@ -764,7 +767,7 @@ def all_to_all_time(nbytes: float, group: Group, cluster: Cluster) -> float:
     return (group.ranks - 1) * link.latency_s + (group.ranks - 1) / group.ranks * nbytes / link.bandwidth_Bps
 
 
-def all_to_all_bytes_per_micro(workload: Workload, layout: Layout) -> float:
+def all_to_all_bytes_per_micro(workload: Workload, layout: Placement) -> float:
     """Bytes one rank sends to others through the all-to-alls of one micro-batch: per MoE
     layer, its tokens' top-k copies to their experts and the results back, in forward and
     again (their gradients) in backward, once more in forward when activation checkpointing
@@ -773,11 +776,11 @@ def all_to_all_bytes_per_micro(workload: Workload, layout: Layout) -> float:
     if not s.n_experts or ep <= 1:
         return 0.0
     copies = workload.tokens_per_micro_batch * s.top_k * s.dim * workload.activation_bytes
-    exchanges = 4 + (2 if workload.activation_checkpointing else 0)
+    exchanges = 4 + (2 if workload.layout.activation_checkpointing else 0)
     return s.n_moe_layers * exchanges * copies * (ep - 1) / ep
 
 
-def moe_block_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+def moe_block_seconds(workload: Workload, layout: Placement, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds of a mixture of experts' collectives per block of one
     micro-batch, averaged over the blocks: each MoE layer's two all-to-alls in forward (the
     tokens to their experts, the results back; each after an all-to-all of the counts) and
@@ -793,11 +796,11 @@ def moe_block_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> t
     exchange = 2 * (all_to_all_time(copies, group, cluster) + all_to_all_time(8 * s.n_experts, group, cluster))
     statistics = collective_time("all_reduce", 8 * (2 * s.n_experts + 1), layout.dp_group(), cluster, "auto")
     forward = exchange + statistics
-    backward = exchange + (forward if workload.activation_checkpointing else 0.0)
+    backward = exchange + (forward if workload.layout.activation_checkpointing else 0.0)
     return share * forward, share * backward
 
 
-def expert_gradient_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+def expert_gradient_seconds(workload: Workload, layout: Placement, cluster: Cluster) -> float:
     """The experts' gradients summed over the ranks holding the same experts: one all-reduce
     of them all once backward is done (distlm's ``ExpertGradients``), on the critical path; 0
     without expert parallel (the dense strategy reduces them) or with one group."""
@@ -813,16 +816,16 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, mask_prob: float =
     return flops_per_token(shape, seq_len, registry.family(shape.family).task.output_fraction(mask_prob))
 
 
-def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+def optimizer_seconds(workload: Workload, layout: Placement, cluster: Cluster) -> float:
     """The memory-bound AdamW step over the parameters this rank updates; with FSDP's
     sharded gradients, clipping adds an all-reduce of the squared norm. Parameters held as
     DTensors (FSDP, tensor parallel) add DTensor's dispatch for every tensor, however
     small its shard."""
     local = rank_parameters(workload, layout)
-    dense = local.dense_total if workload.strategy == "ddp" or layout.dp == 1 else local.dense_total / layout.dp
+    dense = local.dense_total if workload.layout.strategy == "ddp" or layout.dp == 1 else local.dense_total / layout.dp
     updated = dense + local.experts  # expert parallel's experts are updated whole where they live
     seconds = updated * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth_Bps
-    fsdp = workload.strategy == "fsdp" and layout.dp > 1
+    fsdp = workload.layout.strategy == "fsdp" and layout.dp > 1
     if fsdp or layout.tp > 1:
         seconds += cluster.dtensor_step_per_tensor_s * count_parameter_tensors(workload.shape)
     seconds *= memory_slowdown(layout, cluster)
@@ -834,13 +837,12 @@ def optimizer_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> f
 # ------------------------------------------------------------------- data parallel
 
 
-def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Layout, cluster: Cluster) -> float:
-    """One DDP bucket of ``nbytes`` fp32 gradient bytes through ``workload.comm_hook``."""
+def gradient_allreduce_time(nbytes: float, workload: Workload, layout: Placement, cluster: Cluster) -> float:
+    """One DDP bucket of ``nbytes`` fp32 gradient bytes through the layout's comm hook."""
     group = layout.dp_group()
-    hook = workload.comm_hook
-    wire = comm_hook_wire_dtype(hook)
-    factor = 1.0 if wire is None else DTYPES[wire].itemsize / 4  # of the fp32 bytes, on the wire
-    if not hook.startswith("hierarchical"):
+    hook = workload.layout.hook
+    factor = 1.0 if hook.wire_dtype is None else DTYPES[hook.wire_dtype].itemsize / 4  # of the fp32 bytes, on the wire
+    if not hook.hierarchical:
         return collective_time("all_reduce", nbytes * factor, group, cluster, workload.allreduce_algorithm)
     return hierarchical_allreduce_time(
         nbytes, layout.nodes, layout.ranks_per_node, cluster, factor, workload.allreduce_algorithm
@@ -870,7 +872,7 @@ def _ready_time(byte_offset: float, backward: list[Segment]) -> float:
 
 
 def ddp_communication(
-    workload: Workload, layout: Layout, cluster: Cluster, backward: list[Segment]
+    workload: Workload, layout: Placement, cluster: Cluster, backward: list[Segment]
 ) -> list[tuple[float, float, float]]:
     """``(ready, end, seconds)`` of each gradient bucket of one update, in seconds from the
     start of the last micro-batch's backward: buckets are all-reduced one after another,
@@ -881,10 +883,10 @@ def ddp_communication(
     backward_seconds = sum(segment.seconds for segment in backward)
     slowdown = collective_slowdown(layout, cluster)
     buckets, comm_free, previous = [], 0.0, 0.0
-    for end in _bucket_boundaries(total_bytes, workload.bucket_cap_mb * MIB):
+    for end in _bucket_boundaries(total_bytes, workload.layout.bucket_cap_mb * MIB):
         seconds = gradient_allreduce_time(end - previous, workload, layout, cluster)
         ready = _ready_time(end, backward)
-        if workload.double_buffering or ready < backward_seconds * (1 - 1e-9):
+        if workload.layout.double_buffering or ready < backward_seconds * (1 - 1e-9):
             seconds *= slowdown
         comm_free = max(ready, comm_free) + seconds
         buckets.append((ready, comm_free, seconds))
@@ -910,7 +912,7 @@ def exposed_ddp_seconds(
 
 
 def fsdp_micro_batch(
-    workload: Workload, layout: Layout, cluster: Cluster, forward: list[Segment], backward: list[Segment],
+    workload: Workload, layout: Placement, cluster: Cluster, forward: list[Segment], backward: list[Segment],
     reduce: bool, overlap: bool = True,
 ) -> tuple[float, float, float]:
     """(elapsed, communication, copy) seconds of one FSDP micro-batch: per-block
@@ -927,7 +929,7 @@ def fsdp_micro_batch(
     (``collective_slowdown``); the first two all-gathers and the last two reduce-scatters,
     which the rank waits for, do not."""
     group = layout.dp_group()
-    gather_bytes = 4 if workload.precision == "fp32" else 2
+    gather_bytes = workload.activation_bytes
     local = rank_parameters(workload, layout)
     n = workload.shape.n_layers
     copy_rate = cluster.memory_bandwidth_Bps / memory_slowdown(layout, cluster)
@@ -991,18 +993,6 @@ def fsdp_micro_batch(
 
 # ------------------------------------------------------------------ pipeline parallel
 
-def pipeline_microbatches(workload: Workload, layout: Layout) -> int:
-    """Micro-batches of one pipeline pass: ``--pp-microbatches``, by default twice the degree."""
-    return pp_microbatches(workload.pp_microbatches, layout.pp)
-
-
-def stages_per_rank(workload: Workload) -> int:
-    """Stages each rank runs: 1 for GPipe and 1F1B, 2 for zbv's V shape, else as given."""
-    if workload.pp_stages_per_rank is not None:
-        return workload.pp_stages_per_rank
-    return 2 if workload.pp_schedule == "zbv" else 1
-
-
 def pipeline_stages(n_layers: int, pp: int, schedule: str) -> list[Stage]:
     """Each rank's stage: the blocks split as evenly as they go (the first stages take one
     more), the embedding on rank 0, the head on the last rank, or on rank 0 again for
@@ -1061,14 +1051,14 @@ def inflight_microbatches(stage: Stage, pp: int, microbatches: int, schedule: st
     return min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1) / v
 
 
-def p2p_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
+def p2p_seconds(workload: Workload, layout: Placement, cluster: Cluster) -> float:
     """One transfer between neighbouring stages: a pipeline micro-batch's [b, T, dim]
     activations (or their gradient) in the activation dtype, each tensor-parallel rank its
     copy (its sequence shard under sequence parallel). Stages are blocks of consecutive
     ranks, so a boundary crosses the network once there are several nodes, and then the
     ranks of a node send across it at once, sharing its network."""
     nbytes = workload.tokens_per_micro_batch * workload.shape.dim * workload.activation_bytes
-    if workload.sequence_parallel:
+    if workload.layout.sequence_parallel:
         nbytes /= layout.tp
     if layout.nodes == 1:
         return cluster.intra.transfer_s(nbytes)
@@ -1076,13 +1066,14 @@ def p2p_seconds(workload: Workload, layout: Layout, cluster: Cluster) -> float:
     return group_link(Group(ranks=2, nodes=2, concurrent=sending), cluster).transfer_s(nbytes)
 
 
-def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
+def project_pipeline(workload: Workload, cluster: Cluster, layout: Placement) -> Projection:
     """Project one update under pipeline parallel: every stage projected on its own (a
     pipeline micro-batch at a time, ``update_freq`` passes of M), then the passes set by the
     slowest stage's slot, the bubble and the transfers; the memory of the rank that needs most."""
     validate(workload, cluster, layout)
-    m, v, uf = pipeline_microbatches(workload, layout), stages_per_rank(workload), workload.update_freq
-    stages = pipeline_stages(workload.shape.n_layers, layout.pp, workload.pp_schedule)
+    pipeline = workload.layout.pipeline
+    m, v, uf = pipeline.microbatch_count(layout.pp), pipeline.stages_per_rank, workload.update_freq
+    stages = pipeline_stages(workload.shape.n_layers, layout.pp, pipeline.schedule)
     staged = {
         stage.index: dataclasses.replace(
             workload, shape=dataclasses.replace(workload.shape, n_layers=stage.blocks),
@@ -1103,16 +1094,16 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
     # After the passes: the stage's optimizer step and whatever of its data-parallel
     # communication backward did not hide; the pipeline waits for the slowest.
     tail = max(row.step_time_s - row.compute_s - row.tp_comm_s for row in rows)
-    if workload.pp_schedule in PP_ZERO_BUBBLE_SCHEDULES:
-        work, bubble, step = zero_bubble_pass(workload.pp_schedule, layout.pp, m, v, slot - 2 * p2p, p2p, uf, tail)
+    if pipeline.splits_backward:
+        work, bubble, step = zero_bubble_pass(pipeline.schedule, layout.pp, m, v, slot - 2 * p2p, p2p, uf, tail)
     else:
-        bubble = uf * bubble_slots(layout.pp, workload.pp_schedule, v) * slot
+        bubble = uf * bubble_slots(layout.pp, pipeline.schedule, v) * slot
         step = uf * m * slot + bubble + tail
         work = uf * m * (slot - 2 * p2p)
     # Memory: the rank whose stage state plus activations in flight need most.
     held = {
         stage.index: row_of[stage.index].activation_bytes_per_rank
-        * inflight_microbatches(stage, layout.pp, m, workload.pp_schedule, v)
+        * inflight_microbatches(stage, layout.pp, m, pipeline.schedule, v)
         for stage in stages
     }
     peak = max(stages, key=lambda stage: row_of[stage.index].memory_bytes_per_rank + held[stage.index])
@@ -1144,7 +1135,7 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
         activation_bytes_per_rank=activations,
         fits=heaviest.memory_bytes_per_rank + activations <= cluster.memory_bytes_per_rank,
         pp_degree=layout.pp,
-        pp_schedule=workload.pp_schedule,
+        pp_schedule=pipeline.schedule,
         pp_microbatches=m,
         pp_stages_per_rank=v,
         pp_bubble_s=bubble,
@@ -1152,7 +1143,7 @@ def project_pipeline(workload: Workload, cluster: Cluster, layout: Layout) -> Pr
     )
 
 
-def validate_pipeline(workload: Workload, layout: Layout) -> None:
+def validate_pipeline(workload: Workload, layout: Placement) -> None:
     """Refuse the pipeline layouts distlm.train refuses (one line each)."""
     if layout.world % (layout.tp * layout.pp):
         raise UsageError(
@@ -1161,31 +1152,19 @@ def validate_pipeline(workload: Workload, layout: Layout) -> None:
         )
     if layout.pp == 1 or workload.stage is not None:  # a stage's own projection: checked for the whole
         return
-    v, m = stages_per_rank(workload), pipeline_microbatches(workload, layout)
-    looped = workload.pp_schedule in PP_LOOPED_SCHEDULES
-    if looped and v < 2:
-        raise UsageError(f"--pp-schedule {workload.pp_schedule} runs several stages per rank; "
-                         "set --pp-stages-per-rank 2 or more")
-    if not looped and v != 1:
-        raise UsageError(f"--pp-stages-per-rank {v} needs a looped schedule "
-                         f"({', '.join(PP_LOOPED_SCHEDULES)}); --pp-schedule {workload.pp_schedule} runs one stage per rank")
-    if workload.pp_schedule == "zbv" and v != 2:
-        raise UsageError(f"--pp-schedule zbv runs 2 stages per rank in a V; drop --pp-stages-per-rank {v}")
-    blocks = workload.shape.n_layers
+    pipeline = workload.layout.pipeline
+    pipeline.check_stages_per_rank()
+    blocks, v = workload.shape.n_layers, pipeline.stages_per_rank
     if layout.pp * v > blocks:
         raise UsageError(f"--pp-degree {layout.pp} x {v} stages per rank exceeds the model's {blocks} "
                          f"block{'s' if blocks != 1 else ''}; lower --pp-degree")
-    if m < layout.pp:
-        raise UsageError(f"--pp-microbatches {m} is below --pp-degree {layout.pp}; the pipeline would never fill")
-    if workload.batch_size % m:
-        raise UsageError(f"--batch-size {workload.batch_size} does not split into --pp-microbatches {m}; "
-                         "make it a multiple")
+    pipeline.check_microbatches(layout.pp, workload.batch_size)
 
 
 # ------------------------------------------------------------------------ projection
 
 
-def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
+def project(workload: Workload, cluster: Cluster, layout: Placement) -> Projection:
     """Project one update of ``workload`` on ``layout`` over ``cluster``."""
     if layout.pp > 1 and workload.stage is None:
         return project_pipeline(workload, cluster, layout)
@@ -1202,7 +1181,7 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     overlap = communication_overlaps(layout, cluster)
 
     copies = 0.0
-    if workload.strategy == "fsdp" and dp_enabled:
+    if workload.layout.strategy == "fsdp" and dp_enabled:
         elapsed, comm_total = 0.0, 0.0
         for index in range(uf):
             seconds, comm, copy = fsdp_micro_batch(
@@ -1215,11 +1194,11 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     else:
         buckets = ddp_communication(workload, layout, cluster, backward) if dp_enabled else []
         comm_total = sum(seconds for _, _, seconds in buckets)
-        period = uf * micro + optimizer if workload.double_buffering else None
+        period = uf * micro + optimizer if workload.layout.double_buffering else None
         backward_seconds = sum(segment.seconds for segment in backward)
         exposed_buckets = exposed_ddp_seconds(buckets, backward_seconds, period) if overlap else comm_total
         step = uf * micro + optimizer + exposed_buckets
-        if workload.strategy == "zero1" and dp_enabled:
+        if workload.layout.strategy == "zero1" and dp_enabled:
             local = rank_parameters(workload, layout).dense_total
             sync = collective_time("all_gather", 4 * local, layout.dp_group(), cluster)
             comm_total += sync
@@ -1238,10 +1217,11 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     exposed = max(0.0, step - uf * micro - optimizer)  # clamps float noise when nothing is exposed
     # One replica alone (no data-parallel communication, nothing sharded, no other
     # replica sharing its cores) sets the ideal.
-    single = dataclasses.replace(layout, nodes=1, ranks_per_node=layout.tp * layout.pp, ep=1)
+    single = layout.one_replica()
     single_forward, single_backward, _ = micro_batch_segments(workload, single, cluster)
     single_micro = sum(segment.seconds for segment in single_forward + single_backward)
-    ideal_step = uf * single_micro + optimizer_seconds(dataclasses.replace(workload, strategy="ddp"), single, cluster)
+    replicated = dataclasses.replace(workload, layout=dataclasses.replace(workload.layout, strategy="ddp"))
+    ideal_step = uf * single_micro + optimizer_seconds(replicated, single, cluster)
     samples = workload.batch_size * uf * layout.dp
     tokens_per_s = samples * workload.tokens_per_sample / step
     memory = memory_per_rank(workload, layout)
@@ -1281,15 +1261,16 @@ def project(workload: Workload, cluster: Cluster, layout: Layout) -> Projection:
     )
 
 
-def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
+def validate(workload: Workload, cluster: Cluster, layout: Placement) -> None:
     """Refuse what distlm itself would refuse, and layouts the model cannot describe."""
     s = workload.shape
+    asked = (workload.layout.tp_degree, workload.layout.pp_degree, workload.layout.ep_degree)
+    if asked != (layout.tp, layout.pp, layout.ep):
+        raise ValueError(f"the workload's layout has tp, pp, ep degrees {asked}, its placement "
+                         f"{(layout.tp, layout.pp, layout.ep)}; place the workload's own layout")
     check_shared_settings({
-        "strategy": workload.strategy, "comm_hook": workload.comm_hook, "pp_schedule": workload.pp_schedule,
-        "tokens_per_sample": workload.tokens_per_sample, "batch_size": workload.batch_size,
-        "update_freq": workload.update_freq, "bucket_cap_mb": workload.bucket_cap_mb, "tp_degree": layout.tp,
-        "pp_degree": layout.pp, "pp_microbatches": workload.pp_microbatches,
-        "pp_stages_per_rank": workload.pp_stages_per_rank, "ep_degree": layout.ep,
+        **workload.layout.settings(), "tokens_per_sample": workload.tokens_per_sample,
+        "batch_size": workload.batch_size, "update_freq": workload.update_freq,
     })
     if workload.allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
         raise UsageError(
@@ -1302,11 +1283,11 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
             f"--tokens-per-sample {workload.tokens_per_sample} exceeds the model's {s.max_positions} positions; "
             "lower it"
         )
-    hooks_asked = workload.comm_hook != "allreduce" or workload.double_buffering
+    hooks_asked = workload.layout.hooks_asked
     if hooks_asked and layout.ep > 1:
         raise UsageError(f"--comm-hook/--double-buffering are DDP communication hooks, and with --ep-degree "
                          f"{layout.ep} the dense parameters are not in torch DDP; drop them")
-    if hooks_asked and workload.strategy == "fsdp":
+    if hooks_asked and workload.layout.strategy == "fsdp":
         raise UsageError(
             "--comm-hook/--double-buffering are DDP communication hooks; FSDP reduce-scatters its own "
             "gradients: use --strategy ddp or zero1"
@@ -1331,13 +1312,13 @@ def validate(workload: Workload, cluster: Cluster, layout: Layout) -> None:
         raise UsageError(
             f"--tp-degree {layout.tp} must divide the model's n_kv_heads={s.n_kv_heads} or be a multiple of it"
         )
-    if workload.sequence_parallel and layout.tp == 1:
+    if workload.layout.sequence_parallel and layout.tp == 1:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
     validate_experts(workload, layout)
     validate_pipeline(workload, layout)
 
 
-def validate_experts(workload: Workload, layout: Layout) -> None:
+def validate_experts(workload: Workload, layout: Placement) -> None:
     """Refuse the mixture-of-experts layouts distlm.train refuses (one line each)."""
     s, ep = workload.shape, layout.ep
     if ep < 1:
@@ -1358,15 +1339,14 @@ def validate_experts(workload: Workload, layout: Layout) -> None:
     if s.n_experts % ep:
         raise UsageError(f"--ep-degree {ep} does not divide the {s.n_experts} experts of each MoE layer; "
                          f"choose a divisor of {s.n_experts}")
-    if workload.strategy == "zero1":
+    if workload.layout.strategy == "zero1":
         raise UsageError(f"--ep-degree {ep} with --strategy zero1 is not offered: torch's ZeroRedundancyOptimizer "
                          "cannot hold the experts' DTensor parameters; use --strategy ddp or fsdp")
 
 
-def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, tp: int, pp: int = 1,
-            ep: int = 1) -> list[Layout]:
-    """One layout per node count, or per total rank count (a count below one node's ranks
-    is one partly used node)."""
+def placements(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, layout: Layout) -> list[Placement]:
+    """``layout`` placed once per node count, or per total rank count (a count below one
+    node's ranks is one partly used node)."""
     if nodes is not None and ranks is not None:
         raise UsageError("give --nodes or --ranks, not both")
     rpn = cluster.ranks_per_node
@@ -1374,17 +1354,17 @@ def layouts(cluster: Cluster, nodes: list[int] | None, ranks: list[int] | None, 
         for count in nodes or [1]:
             if count < 1:
                 raise UsageError(f"--nodes must be at least 1, got {count}")
-        return [Layout(count, rpn, tp, pp, ep) for count in (nodes or [1])]
+        return [Placement(count, rpn, layout) for count in (nodes or [1])]
     result = []
     for count in ranks:
         if count < 1:
             raise UsageError(f"--ranks must be at least 1, got {count}")
         if count <= rpn:
-            result.append(Layout(1, count, tp, pp, ep))
+            result.append(Placement(1, count, layout))
         elif count % rpn:
             raise UsageError(f"--ranks {count} is not a whole number of {rpn}-rank nodes of {cluster.name}")
         else:
-            result.append(Layout(count // rpn, rpn, tp, pp, ep))
+            result.append(Placement(count // rpn, rpn, layout))
     return result
 
 

@@ -1,6 +1,7 @@
 """``DistContext``: this process's place in the job (rank, world, node), its device, backend and
-meshes; no model. What needs only a rank, a gather or a barrier (the checkpointer, the
-observer, the validator, the trackers) takes this and nothing above it.
+meshes, whose node axis holds the node of every rank; no model. What needs only a rank, a gather
+or a barrier (the checkpointer, the observer, the validator, the trackers) takes this and
+nothing above it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from distlm.backends import Backend
 from distlm.errors import first_line
 from distlm.launch.cluster_env import ClusterEnv
-from distlm.launch.hosts import node_layout
 from distlm.mesh import ParallelDims
 from distlm.runtime.heartbeat import Heartbeat, stop_heartbeat
 
@@ -87,16 +87,6 @@ class DistContext:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, obj)
         return gathered
-
-    def node_of_rank(self) -> tuple[int, ...]:
-        """The node every rank runs on, numbered by each node's lowest rank (collective).
-
-        Under MPI the launcher found it from the hosts themselves; other launchers give
-        each rank its node index, gathered here.
-        """
-        if self.env.node_of_rank is not None:
-            return tuple(self.env.node_of_rank)
-        return node_layout(self.rank, self.all_gather_object(self.env.node_rank)).node_of_rank
 
     def barrier(self) -> None:
         if self.is_distributed:

@@ -17,9 +17,9 @@ from distlm.config import TrainConfig
 from distlm.launch.cluster_env import ExplicitLaunch
 from distlm.launch.detect import detect_launch
 from distlm.launch.mpi import resolve_master_via_mpi
+from distlm.layout import Layout
 from distlm.parallel.api import ParallelOptions
 from distlm.parallel.compile import use_compile_cache
-from distlm.parallel.pipeline import options_from_config as pipeline_options
 from distlm.runtime.agreement import check_ranks_agree
 from distlm.runtime.context import DistContext, describe_layout
 from distlm.runtime.process_group import start_process_group
@@ -70,15 +70,16 @@ def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: 
         use_compile_cache(config.compile.compile_cache, backend.compile_cache_variables)
     backend.setup(env, config.precision_mode, settings.network)
     timeout = datetime.timedelta(seconds=settings.timeout_sec)
-    env, device, heartbeat, hosts_line = start_process_group(env, backend, timeout,
-                                                             Path(config.checkpoint.save_dir) / "comm_traces")
-    context = DistContext(env=env, backend=backend, device=device, dims=dims, timeout=timeout, heartbeat=heartbeat)
+    started = start_process_group(env, backend, timeout, Path(config.checkpoint.save_dir) / "comm_traces")
+    env, device = started.env, started.device
+    context = DistContext(env=env, backend=backend, device=device, dims=dims.on_nodes(started.node_of_rank),
+                          timeout=timeout, heartbeat=started.heartbeat)
     if context.is_main:
         # The launcher's line opens the log (fairseq's order), the hosts' findings follow it.
         logger.info("%s; device %s, layout %s, strategy %s", env.describe(), device, describe_layout(context.layout),
                     dims.strategy)
-        if hosts_line:
-            logger.info("%s", hosts_line)
+        if started.hosts_line:
+            logger.info("%s", started.hosts_line)
     if agree:
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, context.all_gather_object)
@@ -86,16 +87,9 @@ def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: 
 
 
 def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
-    """The command line's distributed settings as the plain values ``parallelize`` takes."""
-    settings = config.distributed
+    """The command line's layout, with the precision and what the backend adds, as ``parallelize`` takes them."""
     return ParallelOptions(
-        precision=config.precision_mode, sequence_parallel=settings.sequence_parallel,
-        activation_checkpointing=settings.activation_checkpointing, bucket_cap_mb=settings.bucket_cap_mb,
-        comm_hook=settings.comm_hook, comm_transport=settings.comm_transport,
-        double_buffering=settings.double_buffering, ranks_per_node=settings.ranks_per_node,
-        cpu_offload=settings.cpu_offload,
-        node_of_rank=ctx.node_of_rank() if settings.comm_hook.startswith("hierarchical") else None,
+        layout=Layout.from_config(config.distributed), precision=config.precision_mode,
         compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
-        foreach_clip=ctx.backend.foreach_clip, pipeline=pipeline_options(settings),
-        grouped_mm=ctx.backend.grouped_mm,
+        foreach_clip=ctx.backend.foreach_clip, grouped_mm=ctx.backend.grouped_mm,
     )

@@ -20,7 +20,8 @@ from distlm.training.builder import ModelSpec, resolve_model_spec
 from distlm.config import TrainConfig, check_settings
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
-from distlm.mesh import ParallelDims, validate_ranks_per_node
+from distlm.layout import Layout, simulated_node_of_rank
+from distlm.mesh import ParallelDims
 from distlm.models.contract import check_model
 from distlm.models.registry import task_of
 from distlm.parallel.expert import check_expert_parallel
@@ -54,8 +55,7 @@ def validate_run(
     and builds from that model where its vocabulary is the run's."""
     check_settings(config)
     settings = config.distributed
-    dims = ParallelDims(world_size=env.world_size, dp=settings.dp_degree, tp=settings.tp_degree, pp=settings.pp_degree,
-                        strategy=settings.strategy, ep=settings.ep_degree)
+    dims = ParallelDims.from_layout(Layout.from_config(settings), env.world_size)
     check_strategy_options(config, dims)
     backend.check_precision(config.precision_mode)
     backend.check_strategy(settings.strategy, settings.tp_degree)
@@ -99,8 +99,8 @@ def check_cpu_fp16_speed() -> None:
 
 def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
     """Combinations no strategy can run."""
-    settings = config.distributed
-    hooks_asked = settings.comm_hook != "allreduce" or settings.double_buffering or settings.comm_transport != "torch"
+    settings, layout = config.distributed, Layout.from_config(config.distributed)
+    hooks_asked = layout.hooks_asked
     if settings.strategy == "fsdp" and hooks_asked:
         raise UsageError(
             "--comm-hook/--double-buffering/--comm-transport are DDP communication hooks; "
@@ -122,8 +122,8 @@ def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
         check_expert_parallel_options(config, dims)
     if settings.sequence_parallel and not dims.tp_enabled:
         raise UsageError("--sequence-parallel shards along tensor-parallel ranks; set --tp-degree > 1")
-    if settings.comm_hook.startswith("hierarchical") and dims.dp_enabled and settings.ranks_per_node is not None:
-        validate_ranks_per_node(settings.ranks_per_node, dims.world_size)
+    if layout.hook.hierarchical and dims.dp_enabled and settings.ranks_per_node is not None:
+        simulated_node_of_rank(settings.ranks_per_node, dims.world_size)  # refused before any rendezvous
 
 
 def check_expert_parallel_options(config: TrainConfig, dims: ParallelDims) -> None:
@@ -133,7 +133,7 @@ def check_expert_parallel_options(config: TrainConfig, dims: ParallelDims) -> No
     if settings.strategy == "zero1":
         raise UsageError(f"--ep-degree {dims.ep} with --strategy zero1 is not offered: torch's ZeroRedundancyOptimizer "
                          "cannot hold the experts' DTensor parameters; use --strategy ddp or fsdp")
-    if settings.comm_hook != "allreduce" or settings.double_buffering or settings.comm_transport != "torch":
+    if Layout.from_config(settings).hooks_asked:
         raise UsageError(f"--comm-hook/--double-buffering/--comm-transport are DDP communication hooks, and with "
                          f"--ep-degree {dims.ep} the dense parameters are not in torch DDP; drop them")
     if settings.cpu_offload:
