@@ -95,10 +95,13 @@ def test_a_worker_without_a_line_is_named_with_its_status(tmp_path):
 
 def test_a_mistyped_flag_names_the_nearest_one_without_importing_torch():
     """Refusals of a flag, an arch name, a value's range and a flag of another model family all
-    come before torch, the models or the data are imported."""
+    come before torch, the models' code or the data are imported: the model families' torch-free
+    records (distlm/models/family.py) answer the arch and flag checks."""
     code = ("import sys\nfrom distlm.train import main\nstatus = main(sys.argv[1:])\n"
+            "model_code = ('model', 'parts', 'hf', 'loss', 'flops', 'contract')\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')\n"
-            "               or m.startswith(('distlm.models', 'distlm.data', 'distlm.training.trainer')))\n"
+            "               or m.startswith(('distlm.models.hf', 'distlm.data', 'distlm.training.trainer'))\n"
+            "               or m.startswith('distlm.models.') and m.rsplit('.', 1)[1] in model_code)\n"
             "print(status, heavy)")
     refusals = (
         (["--max-updat", "3"], "unrecognized arguments: --max-updat (did you mean --max-update?)"),

@@ -235,7 +235,7 @@ def test_hf_settings_distlm_cannot_run_are_refused_by_name(data_dir, hf_dirs, tm
         ({"mlp_bias": True}, "mlp_bias=True: distlm's Llama feed-forward projections have no bias"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
          "rope_scaling.rope_type='yarn': distlm implements the rope types default and llama3 only"),
-        ({"model_type": "gpt2"}, "model_type='gpt2': distlm converts only llama (LlamaForCausalLM)"),
+        ({"model_type": "gpt2"}, "model_type='gpt2': distlm converts only roberta (RobertaForMaskedLM), llama"),
     ],
     ids=["attention_bias", "mlp_bias", "rope_type", "model_type"],
 )

@@ -23,7 +23,8 @@ class ModelShape:
     vocab_size: int
     max_positions: int
     padding_idx: int = 1
-    """RoBERTa's learned position table has ``max_positions + padding_idx + 1`` rows (fairseq's offset)."""
+    """Sizes only a learned position table with fairseq's offset (RoBERTa's: ``max_positions +
+    padding_idx + 1`` rows); a family without one leaves it at 1, whatever its padding id."""
     tied_output: bool = False
     """Whether the output projection is the token embedding (always for RoBERTa)."""
     n_experts: int = 0

@@ -13,7 +13,7 @@ def shape(config: LlamaConfig) -> ModelShape:
     return ModelShape(
         family="llama", dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
         n_kv_heads=config.kv_heads, head_dim=config.head_dim, ffn_dim=config.ffn_hidden_dim,
-        vocab_size=config.vocab_size, max_positions=config.max_seq_len, padding_idx=config.padding_idx,
+        vocab_size=config.vocab_size, max_positions=config.max_seq_len,
         tied_output=config.tie_word_embeddings,
     )
 

@@ -14,7 +14,7 @@ def shape(config: MoEConfig) -> ModelShape:
     return ModelShape(
         family="qwen3_moe", dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
         n_kv_heads=config.kv_heads, head_dim=config.head_dim, ffn_dim=config.ffn_hidden_dim,
-        vocab_size=config.vocab_size, max_positions=config.max_seq_len, padding_idx=config.padding_idx,
+        vocab_size=config.vocab_size, max_positions=config.max_seq_len,
         tied_output=config.tie_word_embeddings, n_experts=config.n_experts, top_k=config.top_k,
         moe_ffn_dim=config.expert_ffn_dim, moe_every=config.moe_every, n_shared_experts=config.n_shared_experts,
         qk_norm=config.qk_norm,
