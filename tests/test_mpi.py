@@ -218,7 +218,7 @@ def test_a_launcher_that_does_not_say_the_nodes_is_placed_by_the_hosts(monkeypat
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # makes `import mpi4py` fail
     env = resolve_master_via_mpi(detect_launch(environ))
     assert env.nodes_assumed is not None
-    # Not refused before the rendezvous: the hosts gathered at start say it (init_distributed).
+    # Not refused before the rendezvous: the hosts gathered at start say it (start_run).
     hierarchical = parse_args(["--comm-hook", "hierarchical", "--device", "cpu", "--arch", "roberta_tiny"])
     assert validate(hierarchical, env, get_backend("cpu")).dp == 4
     round_robin = [Host("a", "boot-a", 1), Host("b", "boot-b", 1)] * 2
