@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from distlm.config import parse_args
-from distlm.training.startup import parallel_options
+from distlm.training.builder import parallel_options
 from distlm.models import build_model
 from distlm.optim import AdamWSettings
 from distlm.parallel.api import parallelize

@@ -46,7 +46,7 @@ def torch_view(env) -> dict:
     import torch.distributed as dist
 
     from distlm.backends.cpu import CpuBackend
-    from distlm.training.startup import parallel_options
+    from distlm.training.builder import parallel_options
     from distlm.config import parse_args
     from distlm.runtime.context import DistContext
     from distlm.runtime.process_group import place_ranks_by_hosts

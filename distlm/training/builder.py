@@ -1,4 +1,5 @@
-"""The model a run trains: a named ``--arch``, a Hugging Face model, or the user's own.
+"""The model a run trains: a named ``--arch``, a Hugging Face model, or the user's own; built,
+and parallelised over the run's layout (``build_parallel_model``).
 
 ``resolve_model_spec`` turns the model settings into a class and config before anything
 is allocated; ``build_model_for_run`` builds it for the layout. Under FSDP or tensor
@@ -23,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from distlm.config import ModelConfig
+from distlm.config import ModelConfig, TrainConfig
 from distlm.data.dictionary import MASK_SYMBOL
 from distlm.errors import UsageError
 from distlm.mesh import ParallelDims
@@ -32,6 +33,13 @@ from distlm.models.contract import allocate_meta_buffers
 from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.family import ModelFamily
 from distlm.state.names import single_device_name
+from distlm.layout import Layout
+from distlm.models.flops import count_parameters
+from distlm.models.loss import ModelInputs
+from distlm.parallel.api import ParallelOptions, parallelize
+from distlm.parallel.handle import DataParallelHandle
+from distlm.runtime.context import DistContext
+from distlm.training.out_of_memory import BUILD_REMEDY, describe_state_need, naming_out_of_memory
 
 
 @dataclass(frozen=True)
@@ -340,3 +348,31 @@ def _local_region(param: DTensor) -> tuple[slice, ...]:
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
+
+
+def build_parallel_model(config: TrainConfig, ctx: DistContext, spec: ModelSpec | None, user_model: nn.Module | None,
+                         checked: nn.Module | None, vocab_size: int, padding_idx: int, param_dtype: torch.dtype,
+                         task: str, weights_from_checkpoint: bool) -> tuple[nn.Module, DataParallelHandle, ModelInputs]:
+    """The run's model built (``build_model_for_run``) and parallelised over the context's layout,
+    its handle, and the inputs its forward takes (read from the single-device model's signature,
+    before any wrapper hides it). The allocator's error while the model is allocated becomes one
+    line with the need."""
+    need = (count_parameters(dataclasses.replace(spec.config, vocab_size=vocab_size)) if spec is not None
+            else sum(p.numel() for p in user_model.parameters()))
+    with naming_out_of_memory("building the model", lambda: describe_state_need(need, ctx.dims, config),
+                              BUILD_REMEDY):
+        build = build_model_for_run(spec, vocab_size, padding_idx, ctx.dims, ctx.device, param_dtype, config.seed,
+                                    user_model, checked, weights_from_checkpoint=weights_from_checkpoint)
+        inputs = ModelInputs.of(build.model, task)
+        model, handle = parallelize(build.model, ctx.dims, ctx.device, parallel_options(config, ctx),
+                                    build.whole_model, build.fill_shards)
+    return model, handle, inputs
+
+
+def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
+    """The command line's layout, with the precision and what the backend adds, as ``parallelize`` takes them."""
+    return ParallelOptions(
+        layout=Layout.from_config(config.distributed), precision=config.precision_mode,
+        compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
+        foreach_clip=ctx.backend.foreach_clip, grouped_mm=ctx.backend.grouped_mm,
+    )

@@ -15,8 +15,11 @@ import re
 from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
+from distlm.config import TrainConfig
 from distlm.errors import UsageError
+from distlm.mesh import ParallelDims
 from distlm.precision import MODE_DTYPES, dtype_name
 from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 
@@ -53,13 +56,22 @@ STEP_REMEDY = ("lower --batch-size (and raise --update-freq to keep the global b
                "--activation-checkpointing, or shard the model (--strategy fsdp)")
 
 
-def describe_state_need(num_params: int, strategy: str, dp: int, tp: int, precision: str = "fp32") -> str:
-    """The per-rank bytes of weights, gradients and Adam state (the ZeRO paper's formulas), in words."""
-    need = zero_formula_bytes(max(1, num_params // tp), dp, ZERO_STAGES.get(strategy, 0),
+def describe_state_need(num_params: int, dims: ParallelDims, config: TrainConfig) -> str:
+    """The per-rank bytes of weights, gradients and Adam state (the ZeRO paper's formulas) of
+    ``num_params`` parameters under the layout ``dims``, in words."""
+    precision = config.precision_mode
+    need = zero_formula_bytes(max(1, num_params // dims.tp), dims.dp, ZERO_STAGES.get(dims.strategy, 0),
                               precision=precision)["total_bytes"]
     weights = dtype_name(MODE_DTYPES[precision].param)
     return (f"the model's {num_params:,} parameters need about {format_bytes(need)} per rank for {weights} weights, "
-            f"gradients and Adam state under --strategy {strategy} (dp {dp} x tp {tp})")
+            f"gradients and Adam state under --strategy {dims.strategy} (dp {dims.dp} x tp {dims.tp})")
+
+
+def describe_step_need(model: nn.Module, dims: ParallelDims, config: TrainConfig) -> str:
+    """What an update of ``model`` needs per rank, in words: its state, plus the activations."""
+    data = config.data
+    return (f"{describe_state_need(sum(p.numel() for p in model.parameters()), dims, config)}, plus the activations "
+            f"of --batch-size {data.batch_size} x --tokens-per-sample {data.tokens_per_sample} tokens")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,6 @@
 """The start of a run, in this order: the launcher, validation of every setting before any
 rendezvous, the backend's presets, the process group with its heartbeat and the hosts'
-placement, and the check that every rank was launched alike (``start_run``); and the command
-line's distributed settings as ``parallelize`` takes them (``parallel_options``)."""
+placement, and the check that every rank was launched alike (``start_run``)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ from distlm.config import TrainConfig
 from distlm.launch.cluster_env import ExplicitLaunch
 from distlm.launch.detect import detect_launch
 from distlm.launch.mpi import resolve_master_via_mpi
-from distlm.layout import Layout
-from distlm.parallel.api import ParallelOptions
 from distlm.parallel.compile import use_compile_cache
 from distlm.runtime.agreement import check_ranks_agree
 from distlm.runtime.context import DistContext, describe_layout
@@ -84,12 +81,3 @@ def start_run(config: TrainConfig, model: torch.nn.Module | None = None, agree: 
         # Before any other collective: ranks launched differently must not reach DDP or the data.
         check_ranks_agree(config, context.all_gather_object)
     return Start(context, spec, checked)
-
-
-def parallel_options(config: TrainConfig, ctx: DistContext) -> ParallelOptions:
-    """The command line's layout, with the precision and what the backend adds, as ``parallelize`` takes them."""
-    return ParallelOptions(
-        layout=Layout.from_config(config.distributed), precision=config.precision_mode,
-        compile_backend=ctx.backend.compile_backend if config.compile.compile else None,
-        foreach_clip=ctx.backend.foreach_clip, grouped_mm=ctx.backend.grouped_mm,
-    )

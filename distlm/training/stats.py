@@ -17,6 +17,7 @@ import torch.distributed as dist
 from distlm.backends.hardware import device_peak_flops, measure_cpu_matmul_flops
 from distlm.errors import UsageError
 from distlm.models.flops import attention_flops_per_pair, flops_per_token, model_flops_utilization
+from distlm.models.registry import task_of
 from distlm.observe.printer import significant
 
 LN2 = math.log(2)
@@ -125,6 +126,17 @@ class TrainStats:
 
     def reset(self) -> None:
         self._start_interval()
+
+
+def run_stats(model: torch.nn.Module, data: Any, task: str, device: torch.device, dtype: torch.dtype,
+              world_size: int) -> TrainStats:
+    """The statistics of a run of ``model`` (unwrapped) on ``data`` (the config's ``DataConfig``)
+    over ``world_size`` devices. A pipeline stage keeps the whole model's config, so its FLOPs
+    per token are the model's: global tokens times those, over every device's peak, as without
+    stages."""
+    return TrainStats(device, *mfu_inputs(model, data.tokens_per_sample, device.type, dtype,
+                                          task_of(task).output_fraction(data.mask_prob), data.document_mask),
+                      world_size, document_attention_flops(model, data.document_mask))
 
 
 def mfu_inputs(

@@ -7,7 +7,6 @@ costs one host synchronisation: the finite check of the gradient norm.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Iterator
@@ -16,25 +15,21 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.runtime.agreement import check_ranks_agree
-from distlm.models.registry import task_of
-from distlm.training.builder import build_model_for_run, choose_vocabulary, resolve_model_spec
+from distlm.training.builder import build_parallel_model, choose_vocabulary, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, seed_dropout, training_states
 from distlm.training.precompile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import SharedScan, load_split
 from distlm.data.batches import training_sampler, update_batches
 from distlm.runtime.context import DistContext
-from distlm.training.startup import Start, parallel_options, start_run
-from distlm.models.loss import ModelInputs, summed_cross_entropy
-from distlm.training.stats import TrainStats, document_attention_flops, mfu_inputs
+from distlm.training.startup import Start, start_run
+from distlm.models.loss import summed_cross_entropy
+from distlm.training.stats import TrainStats, run_stats
 from distlm.observe.printer import significant
 from distlm.observe.observer import Observer, check_observe_settings, start_log_file, stop_log_file
 from distlm.training.evaluation import Validator, load_validation_subsets
 from distlm.optim import AdamWSettings, LRSchedule
-from distlm.training.out_of_memory import BUILD_REMEDY, STEP_REMEDY, describe_state_need, naming_out_of_memory
-from distlm.models.flops import count_parameters
-from distlm.parallel.api import parallelize
-from distlm.parallel.handle import DataParallelHandle
+from distlm.training.out_of_memory import STEP_REMEDY, describe_step_need, naming_out_of_memory
 from distlm.state.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
@@ -94,8 +89,9 @@ class Trainer:
         self.fixed_length = config.data.tokens_per_sample if (
             config.compile.compile or self.ctx.backend.static_shapes or self.ctx.dims.pp_enabled) else None
         """Batches padded to this length, so compiled or traced graphs (and pipeline stages) see one shape."""
-        self.model, self.handle = self._build_model(model, start.model, vocabulary.size if vocabulary else 0,
-                                                    resume is not None and not config.checkpoint.load_partial)
+        self.model, self.handle, self.model_inputs = build_parallel_model(
+            config, self.ctx, self.spec, model, start.model, vocabulary.size if vocabulary else 0, self.pad_id,
+            self.precision.param_dtype, self.task, resume is not None and not config.checkpoint.load_partial)
         self.pipeline = getattr(self.handle, "runner", None)  # pp > 1: the schedules (parallel/pipeline.py)
         log_start(self.ctx.is_main, self.data, self.model, self.spec if resume is None else None, config.seed,
                   vocabulary, pipeline_stage_sizes(self.model, self.ctx.dims, self.ctx.device.type))
@@ -134,22 +130,6 @@ class Trainer:
             # ranks of one replica must draw the same masks in their replicated regions.
             seed_dropout(config.seed, self.ctx.dp_rank)
 
-    def _build_model(self, model: torch.nn.Module | None, checked: torch.nn.Module | None, vocab: int,
-                     weights_from_checkpoint: bool) -> tuple[torch.nn.Module, DataParallelHandle]:
-        """The model of the run, parallelised: the user's ``model``, or the spec's, built from the
-        meta model start-up ``checked`` where that has the run's vocabulary. The allocator's error
-        while the model is allocated becomes one line with the need."""
-        need = (count_parameters(dataclasses.replace(self.spec.config, vocab_size=vocab)) if self.spec is not None
-                else sum(p.numel() for p in model.parameters()))
-        with naming_out_of_memory("building the model", lambda: self._state_need(need), BUILD_REMEDY):
-            build = build_model_for_run(
-                self.spec, vocab, self.pad_id, self.ctx.dims, self.ctx.device, self.precision.param_dtype,
-                self.config.seed, model, checked, weights_from_checkpoint=weights_from_checkpoint)
-            # Read from the single-device model's signature, before any wrapper hides it.
-            self.model_inputs = ModelInputs.of(build.model, self.task)
-            return parallelize(build.model, self.ctx.dims, self.ctx.device, parallel_options(self.config, self.ctx),
-                               build.whole_model, build.fill_shards)
-
     # ----------------------------------------------------------------------- loop
 
     def update_batches(self) -> Iterator[list[dict[str, Any]]]:
@@ -169,13 +149,8 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg = self.config
         printer = self.observer.start(self.resumed_at, self.stop)  # logs as the Printer does, and to trackers
-        # A pipeline stage keeps the whole model's config, so its FLOPs per token are the
-        # model's: global tokens times those, over every device's peak, as without stages.
-        stats = TrainStats(self.ctx.device, *mfu_inputs(
-            unwrap(self.model), cfg.data.tokens_per_sample, self.ctx.device.type,
-            self.precision.autocast_dtype or self.precision.param_dtype,
-            task_of(self.task).output_fraction(cfg.data.mask_prob), cfg.data.document_mask), self.ctx.world_size,
-            document_attention_flops(unwrap(self.model), cfg.data.document_mask))
+        stats = run_stats(unwrap(self.model), cfg.data, self.task, self.ctx.device,
+                          self.precision.autocast_dtype or self.precision.param_dtype, self.ctx.world_size)
         self.summary: dict[str, Any] = {}
         batches = self.update_batches()
         compiling = CompileReport(self.ctx.backend.compile_backend) if cfg.compile.compile and self.ctx.is_main else None
@@ -185,7 +160,8 @@ class Trainer:
                 # Everything one update does, collectives of logging and saving included.
                 number = self.progress.num_updates + 1
                 with self.ctx.naming_failed_collectives(number), naming_out_of_memory(
-                        f"in update {number}", self._step_need, STEP_REMEDY), self.observer.update(number):
+                        f"in update {number}", lambda: describe_step_need(self.model, self.ctx.dims, cfg), STEP_REMEDY), \
+                        self.observer.update(number):
                     stop = self._run_update(self.observer.next_batch(batches), stats, printer)
                 if compiling is not None:
                     compiling.log()
@@ -293,15 +269,6 @@ class Trainer:
         """After ``fit`` ended on a stop signal: what stopped it, where, and what was saved."""
         return self.stop.describe_stop(self.progress.num_updates, self.checkpointer.save_dir,
                                        self.stop_saved if self.checkpointer.enabled else None)
-
-    def _state_need(self, parameters: int) -> str:
-        dims = self.ctx.dims
-        return describe_state_need(parameters, dims.strategy, dims.dp, dims.tp, self.config.precision_mode)
-
-    def _step_need(self) -> str:
-        data = self.config.data
-        return (f"{self._state_need(sum(p.numel() for p in self.model.parameters()))}, plus the activations of "
-                f"--batch-size {data.batch_size} x --tokens-per-sample {data.tokens_per_sample} tokens")
 
     def autocast(self):
         """Mixed precision for forward; none where the strategy casts itself (FSDP's policy)."""
