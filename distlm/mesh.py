@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

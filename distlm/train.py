@@ -42,9 +42,9 @@ def train(config: TrainConfig, rank: int) -> int:
     """Train with a parsed ``config``; the exit status."""
     try:
         from distlm.backends.base import DistributedInitError
+        from distlm.parallel.replicas import ReplicaDrift
         from distlm.runtime.context import CollectiveFailure, shutdown
         from distlm.training.divergence import DivergenceError
-        from distlm.parallel.replicas import ReplicaDrift
         from distlm.training.trainer import Trainer
     except KeyboardInterrupt:  # the imports take seconds
         return interrupted_before_training(rank)

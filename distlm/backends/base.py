@@ -18,11 +18,11 @@ from typing import Mapping, MutableMapping
 import torch
 import torch.distributed as dist
 
-from distlm.choices import NETWORKS, PRECISIONS
-from distlm.launch.cluster_env import ClusterEnv
-from distlm.errors import UsageError, first_line
 from distlm.backends.attempt_store import StoreWaitTimeout, join_attempt
 from distlm.backends.master_probe import check_master_answers
+from distlm.choices import NETWORKS, PRECISIONS
+from distlm.errors import UsageError, first_line
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.precision import computes_in_fp16
 
 

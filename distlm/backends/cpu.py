@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from distlm.backends.base import Backend
-from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
+from distlm.launch.cluster_env import ClusterEnv
 
 
 class CpuBackend(Backend):

@@ -22,7 +22,6 @@ from distlm.choices import DEVICES
 from distlm.errors import UsageError
 from distlm.precision import DTYPES, dtype_name
 
-
 # The CPU features that give fast half-precision matrix multiplies (oneDNN's AMX and AVX-512 kernels).
 HALF_PRECISION_CPU_FLAGS = ("amx_fp16", "amx_bf16", "avx512_fp16", "avx512_bf16")
 

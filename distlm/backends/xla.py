@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from distlm.backends.base import Backend, describe_init_failure, module_importable, refuse_fp16
 from distlm.backends.efa import configure_network
-from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
+from distlm.launch.cluster_env import ClusterEnv
 
 TORCH_XLA_HINT = (
     "install torch-xla of the same release as torch (pip install torch-xla==X.Y.Z with torch==X.Y.Z), "

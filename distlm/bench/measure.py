@@ -35,8 +35,8 @@ from distlm.errors import UsageError
 from distlm.layout import Layout
 from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel import comm_hooks
-from distlm.state.names import unwrap
 from distlm.precision import dtype_name, precision_flags
+from distlm.state.names import unwrap
 from distlm.training.trainer import Trainer
 
 # The suite drives a fixed number of updates and never stops on its own, validates or logs.

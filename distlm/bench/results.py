@@ -27,9 +27,9 @@ from typing import Any, Iterable
 
 from distlm.choices import COLLECTIVE_OF_PROBE_METHOD, PROBE_METHODS
 from distlm.errors import UsageError
+from distlm.layout import Layout, PipelineLayout
 from distlm.models.flops import model_flops_utilization, model_shape
 from distlm.plan.calibrate import calibrate, read_measurements
-from distlm.layout import Layout, PipelineLayout
 from distlm.plan.model import Placement, Workload, executed_flops_per_token, load_cluster, project
 from distlm.precision import dtype_name
 

@@ -52,15 +52,14 @@ from distlm.bench import plots, results
 from distlm.bench.measure import KIB, MIB, LaunchSpec, measure_launch, rotated
 from distlm.bench.worker import ERROR_PREFIX, PROGRESS_PREFIX
 from distlm.choices import COMM_HOOKS, DEVICES, PP_SCHEDULES, STRATEGIES
-from distlm.runtime.context import shutdown
+from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.launch.detect import detect_launch
 from distlm.layout import Layout, PipelineLayout
-from distlm.precision import DTYPES
-from distlm.errors import OneLineErrorParser, UsageError, rank_from_environment, report_usage_error, whole_number_list
 from distlm.observe.run_record import run_json, write_run_json
+from distlm.precision import DTYPES
+from distlm.runtime.context import shutdown
 from distlm.training.validation import validate
-
 
 
 class LaunchFailed(RuntimeError):

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.bench.measure import LaunchSpec, measure_launch
-from distlm.runtime.context import shutdown
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
+from distlm.runtime.context import shutdown
 
 PROGRESS_PREFIX = "distlm.bench| "
 ERROR_PREFIX = "distlm.bench: error: "

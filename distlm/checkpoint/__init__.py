@@ -7,11 +7,11 @@ registry; never the builder, Hugging Face conversion, parallel, observe or train
 """
 
 from distlm.checkpoint.checkpointer import Checkpointer
+from distlm.checkpoint.directory import BEST, LAST, TOKENIZER_DIR, epoch_name, numbered
 from distlm.checkpoint.failures import CheckpointError
+from distlm.checkpoint.reader import CheckpointReader, load, resolve
 from distlm.checkpoint.resume import Resume
 from distlm.checkpoint.stateful import TrainProgress, seed_dropout, training_states
-from distlm.checkpoint.directory import BEST, LAST, TOKENIZER_DIR, epoch_name, numbered
-from distlm.checkpoint.reader import CheckpointReader, load, resolve
 
 __all__ = [
     "BEST",

@@ -22,8 +22,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.checkpoint import compare, integrity, legacy, storage
 from distlm.checkpoint.resume import Resume
-from distlm.checkpoint.stateful import (MODEL, OPTIMIZER, PROGRESS, RNG, SCALER, ModelState, OptimizerState, RNGState,
-                                        TrainProgress, load_full_optimizer_state, seed_dropout)
+from distlm.checkpoint.stateful import (
+    MODEL,
+    OPTIMIZER,
+    PROGRESS,
+    RNG,
+    SCALER,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    TrainProgress,
+    load_full_optimizer_state,
+    seed_dropout,
+)
 from distlm.config import CheckpointConfig
 from distlm.errors import UsageError
 from distlm.runtime.agreement import data_files

@@ -35,8 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from distlm.launch.hosts import boot_id as _boot_id  # this boot of this machine, shared with the hosts check
 from distlm.errors import UsageError
+from distlm.launch.hosts import boot_id as _boot_id  # this boot of this machine, shared with the hosts check
 
 logger = logging.getLogger("distlm")
 

@@ -15,7 +15,6 @@ from distlm.choices import SAMPLE_BREAK_MODES
 from distlm.errors import UsageError
 
 
-
 class SentenceDataset(Protocol):
     sizes: np.ndarray
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from distlm.data.dictionary import Vocabulary
 from distlm.config import check_shared_settings
+from distlm.data.dictionary import Vocabulary
 from distlm.errors import UsageError
 
 IGNORE_INDEX = -100  # targets with this value carry no loss (torch's cross_entropy default)

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from distlm.choices import TOKENIZER_MODELS
+from distlm.config import check_shared_settings
 from distlm.data.hf_tokenizer import (
     CONFIG_FILES,
     DEFAULT_VOCAB_SIZE,
@@ -61,7 +62,6 @@ from distlm.data.hf_tokenizer import (
     train_tokenizer,
 )
 from distlm.data.indexed_dataset import MEGATRON, IndexedDatasetBuilder, smallest_token_dtype
-from distlm.config import check_shared_settings
 from distlm.errors import OneLineErrorParser, UsageError, first_line
 
 SPLITS = ("train", "valid")

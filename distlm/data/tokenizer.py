@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distlm.choices import TASKS
 from distlm.data.dictionary import (
     BOS_SYMBOL,
     EOS_SYMBOL,
@@ -26,7 +27,6 @@ from distlm.data.dictionary import (
     UNK_SYMBOL,
     Dictionary,
 )
-from distlm.choices import TASKS
 from distlm.errors import UsageError
 
 NUM_BYTES = 256

@@ -12,12 +12,12 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from distlm.config import TrainConfig
 from distlm.backends.base import DistributedInitError
-from distlm.training.startup import start_run
+from distlm.config import TrainConfig
 from distlm.doctor import allreduce, devices, efa, launcher, save_dir
 from distlm.doctor.channel import RankChannel, StepFailed
 from distlm.doctor.report import FAIL, SKIP, Row, count, exit_status, render_json, render_table
+from distlm.training.startup import start_run
 
 RENDEZVOUS = "rendezvous"
 

@@ -13,7 +13,6 @@ from typing import NoReturn, Sequence
 from distlm.backends import resolve_device
 from distlm.backends.hardware import instance_type
 from distlm.config import TrainConfig, default_save_dir, parse_args
-from distlm.runtime.context import shutdown
 from distlm.doctor.allreduce import DEFAULT_MIN_FRACTION, DEFAULT_REPEATS, DEFAULT_SIZES_MIB
 from distlm.doctor.checks import run_doctor
 from distlm.errors import (
@@ -24,6 +23,7 @@ from distlm.errors import (
     report_usage_error,
 )
 from distlm.plan import available_clusters, load_cluster
+from distlm.runtime.context import shutdown
 
 ENV_CLUSTER = "DISTLM_CLUSTER"
 DETECTED = "the instance type"

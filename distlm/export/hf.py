@@ -18,9 +18,9 @@ from distlm.checkpoint import TOKENIZER_DIR, CheckpointReader
 from distlm.checkpoint.directory import META_FILE
 from distlm.errors import UsageError, first_line
 from distlm.export.target import check_directory_target, copy_regular_files, staged_directory
+from distlm.models import registry
 from distlm.models.hf import SpecialTokens, write_hf_directory
 from distlm.models.hf.io import DEFAULT_MAX_SHARD_SIZE, parse_size
-from distlm.models import registry
 
 logger = logging.getLogger("distlm")
 

@@ -8,7 +8,6 @@ from typing import Mapping
 
 from distlm.errors import UsageError
 
-
 LAUNCHER_NAMES = ("torchelastic", "slurm", "mpi", "env", "explicit", "single")
 
 

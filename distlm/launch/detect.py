@@ -13,7 +13,6 @@ from distlm.launch.mpi import MPICHLauncher, OpenMPILauncher
 from distlm.launch.slurm import SlurmLauncher
 from distlm.launch.torchrun import TorchElasticLauncher
 
-
 # Fixed order: torchrun's variables are the most specific (srun torchrun ... sets both
 # torchrun's and Slurm's), then Slurm, then MPI (whose daemons may carry Slurm's), then
 # bare RANK/WORLD_SIZE, which srun and mpiexec tasks may also carry.

@@ -9,7 +9,6 @@ from typing import Mapping
 from distlm.errors import UsageError
 from distlm.launch.cluster_env import ClusterEnv, check_below, master_from_environ, read_int, read_optional_int
 
-
 ONE_PER_HOST = "each process is assumed to run on a host of its own (nothing exports a local rank)"
 
 

@@ -9,7 +9,6 @@ from typing import Mapping
 from distlm.errors import UsageError
 from distlm.launch.cluster_env import ClusterEnv, check_below, first_present, master_from_environ, read_int
 
-
 # Slurm runs these job names for interactive allocations (salloc's default shell,
 # `srun --pty bash`); a Python started by hand in such a shell is not an srun task.
 _SLURM_INTERACTIVE_JOB_NAMES = ("bash", "interactive")

@@ -25,6 +25,7 @@ from distlm.models import registry
 from distlm.models.hf import adapter_for_hf
 from distlm.models.sizes import LocalParameters, ModelShape, ParameterGroups
 
+
 def default_vocab_size(arch: str) -> int:
     """The vocabulary ``arch`` builds with when no data decides it: its own config's (the
     published archs carry their namesake's), else distlm's byte vocabulary (4 specials +

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from distlm.config import TrainConfig
-from distlm.runtime.context import DistContext
 from distlm.errors import UsageError, rank_from_environment
-from distlm.observe.printer import Printer
 from distlm.observe.log_lines import LOG_FORMAT
+from distlm.observe.printer import Printer
 from distlm.observe.profiler import ProfileWindow, parse_profile_steps
+from distlm.observe.run_record import RUN_JSON, run_json, write_run_json
 from distlm.observe.stragglers import StepTiming
 from distlm.observe.trackers import Trackers, check_tracker_packages
-from distlm.observe.run_record import RUN_JSON, run_json, write_run_json
+from distlm.runtime.context import DistContext
 from distlm.runtime.signals import StoppedBeforeTraining, StopSignals
 
 logger = logging.getLogger("distlm")

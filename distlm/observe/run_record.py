@@ -18,7 +18,6 @@ import torch
 
 from distlm.backends.hardware import instance_type, local_device_name
 
-
 RUN_JSON = "run.json"
 # Variables that change how collectives run (NCCL, libfabric/EFA, Neuron runtime, gloo).
 COMM_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "FI_", "NEURON_", "GLOO_")

@@ -20,20 +20,20 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from distlm.backends.base import probe_grouped_mm
-from distlm.parallel.compile import apply_compile
 from distlm.errors import UsageError
 from distlm.layout import Layout
 from distlm.mesh import ParallelDims
 from distlm.models.contract import model_blocks
+from distlm.parallel.compile import apply_compile
 from distlm.parallel.ddp import apply_ddp, build_comm_hook
 from distlm.parallel.expert import apply_moe, expert_parameters
 from distlm.parallel.fsdp import apply_fsdp, fsdp_dtypes
-from distlm.state.full import load_full_state_dict
 from distlm.parallel.handle import DataParallelHandle
-from distlm.state.names import single_device_name
 from distlm.parallel.pipeline import cut_stages, parallelize_stages
 from distlm.parallel.tp import apply_replicate, apply_tp, shard_gradients_like_parameters
 from distlm.precision import MODE_DTYPES
+from distlm.state.full import load_full_state_dict
+from distlm.state.names import single_device_name
 
 logger = logging.getLogger("distlm")
 

@@ -58,7 +58,6 @@ from distlm.mesh import ParallelDims
 from distlm.models.moe.model import MoEFeedForward, moe_layers
 from distlm.state.names import local_shard
 
-
 logger = logging.getLogger("distlm")
 
 

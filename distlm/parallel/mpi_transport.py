@@ -452,9 +452,8 @@ def mpi_transport_factory(
     """
     import_mpi4py()
     check_mpi_launch(environ)
-    from mpi4py import MPI
-
     import torch.distributed as dist
+    from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     if dist.is_initialized() and (world.Get_size(), world.Get_rank()) != (dist.get_world_size(), dist.get_rank()):

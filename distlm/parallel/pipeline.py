@@ -40,18 +40,17 @@ from distlm.choices import PP_LOOPED_SCHEDULES
 from distlm.data.masking import IGNORE_INDEX
 from distlm.errors import UsageError
 from distlm.layout import Layout, PipelineLayout
-from distlm.models.loss import summed_token_loss
 from distlm.mesh import ParallelDims
 from distlm.models.contract import allocate_meta_buffers, model_blocks
+from distlm.models.loss import summed_token_loss
 from distlm.models.moe.model import moe_layers
-from distlm.parallel.handle import DataParallelHandle
-from distlm.state.names import local_shard, single_device_name
 from distlm.parallel.ddp import apply_ddp
 from distlm.parallel.expert import apply_moe, expert_parameters, routing_over_stages
 from distlm.parallel.fsdp import fsdp_dtypes
+from distlm.parallel.handle import DataParallelHandle
 from distlm.parallel.tp import _pattern_regex, clip_grad_norm_, local_value, shard_gradients_like_parameters
 from distlm.precision import MODE_DTYPES
-
+from distlm.state.names import local_shard, single_device_name
 
 logger = logging.getLogger("distlm")
 

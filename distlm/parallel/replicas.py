@@ -14,8 +14,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from distlm.mesh import ParallelDims
-from distlm.state.names import parameter_names
 from distlm.parallel.tp import HEADS_MESH_DIMS
+from distlm.state.names import parameter_names
 
 
 class ReplicaDrift(RuntimeError):

@@ -36,14 +36,16 @@ from pathlib import Path
 from typing import Sequence
 
 from distlm.backends.hardware import host_cores
-from distlm.training.builder import resolve_model_spec
-from distlm.config import OneLineErrorParser, parse_args as parse_train_args
+from distlm.config import OneLineErrorParser
+from distlm.config import parse_args as parse_train_args
+from distlm.errors import UsageError, rank_from_environment, report_usage_error
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.launch.detect import detect_launch
-from distlm.errors import UsageError, rank_from_environment, report_usage_error
 from distlm.parity import compare
 from distlm.parity.layouts import Layout, check_layout, parse_layout
-from distlm.parity.worker import ERROR_PREFIX, main as run_worker_here, model_builder
+from distlm.parity.worker import ERROR_PREFIX, model_builder
+from distlm.parity.worker import main as run_worker_here
+from distlm.training.builder import resolve_model_spec
 
 REFERENCE = "reference"
 # Environment variables of launchers, removed for the reference's own process.

@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from distlm.config import TrainConfig, parse_args
-from distlm.runtime.context import shutdown
 from distlm.errors import UsageError, exit_without_teardown, rank_from_environment, report_usage_error
 from distlm.models.contract import model_blocks
+from distlm.runtime.context import shutdown
 from distlm.state.full import full_state_dict
 from distlm.state.names import local_shard, parameter_names, single_device_name, unwrap
 from distlm.training.trainer import Trainer

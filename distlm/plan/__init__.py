@@ -5,9 +5,9 @@ rank of an arch, strategy and layout on a cluster profile. The functions below a
 the training log's MFU and the scaling suite need.
 """
 
-from distlm.plan.calibrate import Calibration, calibrate, fit_alpha_beta, read_measurements
 from distlm.backends.hardware import measure_cpu_matmul_flops, peak_flops
 from distlm.models.flops import ModelShape, count_parameters, flops_per_token, model_flops_utilization, model_shape
+from distlm.plan.calibrate import Calibration, calibrate, fit_alpha_beta, read_measurements
 from distlm.plan.model import (
     Cluster,
     Link,

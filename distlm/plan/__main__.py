@@ -22,8 +22,8 @@ from distlm.choices import COMM_HOOKS, PP_SCHEDULES, STRATEGIES
 from distlm.config import check_shared_settings
 from distlm.errors import OneLineErrorParser, UsageError, whole_number_list
 from distlm.layout import Layout, PipelineLayout
-from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.models.flops import count_parameters, flops_per_token, model_shape
+from distlm.plan.calibrate import calibrate, read_measurements
 from distlm.plan.model import (
     ALLREDUCE_ALGORITHMS,
     GIB,

@@ -66,18 +66,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
 from distlm.choices import COLLECTIVES, PROFILE_DEVICE_TYPES
-from distlm.config import check_shared_settings
+from distlm.config import DataConfig, check_shared_settings
 from distlm.errors import UsageError
 from distlm.layout import Layout, PipelineLayout
-from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
-from distlm.backends.hardware import device_key, host_cores, measure_cpu_matmul_flops, peak_flops
-from distlm.config import DataConfig
 from distlm.models import registry
 from distlm.models.flops import ModelShape, count_parameter_tensors, flops_per_token, local_parameters
 from distlm.models.sizes import LocalParameters
 from distlm.plan.schedule import ActionTimes, pass_seconds, zero_bubble_orders
 from distlm.precision import DTYPES, MODE_DTYPES, dtype_name
+from distlm.training.memory import ZERO_STAGES, zero_formula_bytes
 
 GIB = 1024**3
 MIB = 1024**2

@@ -27,18 +27,18 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from distlm.config import ModelConfig, TrainConfig
 from distlm.data.dictionary import MASK_SYMBOL
 from distlm.errors import UsageError
+from distlm.layout import Layout
 from distlm.mesh import ParallelDims
 from distlm.models import registry
 from distlm.models.contract import allocate_meta_buffers
-from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.family import ModelFamily
-from distlm.state.names import single_device_name
-from distlm.layout import Layout
 from distlm.models.flops import count_parameters
+from distlm.models.hf import SpecialTokens, adapter_for_hf, io, tensor_loader
 from distlm.models.loss import ModelInputs
 from distlm.parallel.api import ParallelOptions, parallelize
 from distlm.parallel.handle import DataParallelHandle
 from distlm.runtime.context import DistContext
+from distlm.state.names import single_device_name
 from distlm.training.out_of_memory import BUILD_REMEDY, describe_state_need, naming_out_of_memory
 
 

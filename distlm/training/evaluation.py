@@ -24,10 +24,10 @@ from distlm.data import GlobalBatchSampler, MixtureData, SharedScan, load_split
 from distlm.data.batches import padded_to, to_device, with_host_facts
 from distlm.data.masking import IGNORE_INDEX
 from distlm.data.sampler import token_budget_batches
-from distlm.runtime.context import DistContext
 from distlm.errors import UsageError
-from distlm.training.stats import LN2, perplexity
 from distlm.observe.printer import significant
+from distlm.runtime.context import DistContext
+from distlm.training.stats import LN2, perplexity
 
 logger = logging.getLogger("distlm")
 

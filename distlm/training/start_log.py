@@ -10,12 +10,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distlm.training.builder import ModelSpec, Vocabulary
 from distlm.errors import UsageError
-from distlm.training.memory import memory_report
 from distlm.models import registry
 from distlm.models.flops import count_parameters
 from distlm.state.names import unwrap
+from distlm.training.builder import ModelSpec, Vocabulary
+from distlm.training.memory import memory_report
 
 logger = logging.getLogger("distlm")
 

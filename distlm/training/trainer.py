@@ -14,29 +14,29 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distlm.runtime.agreement import check_ranks_agree
-from distlm.training.builder import build_parallel_model, choose_vocabulary, resolve_model_spec
 from distlm.checkpoint import BEST, Checkpointer, TrainProgress, seed_dropout, training_states
-from distlm.training.precompile import CompileReport, precompile
 from distlm.config import TrainConfig
 from distlm.data import SharedScan, load_split
 from distlm.data.batches import training_sampler, update_batches
-from distlm.runtime.context import DistContext
-from distlm.training.startup import Start, start_run
 from distlm.models.loss import summed_cross_entropy
-from distlm.training.stats import TrainStats, run_stats
-from distlm.observe.printer import significant
 from distlm.observe.observer import Observer, check_observe_settings, start_log_file, stop_log_file
-from distlm.training.evaluation import Validator, load_validation_subsets
+from distlm.observe.printer import significant
 from distlm.optim import AdamWSettings, LRSchedule
-from distlm.training.out_of_memory import STEP_REMEDY, describe_step_need, naming_out_of_memory
-from distlm.state.names import unwrap
 from distlm.parallel.replicas import check_replicas
 from distlm.precision import Precision
+from distlm.runtime.agreement import check_ranks_agree
+from distlm.runtime.context import DistContext
+from distlm.runtime.signals import StopSignals
+from distlm.state.names import unwrap
+from distlm.training.builder import build_parallel_model, choose_vocabulary, resolve_model_spec
+from distlm.training.evaluation import Validator, load_validation_subsets
+from distlm.training.out_of_memory import STEP_REMEDY, describe_step_need, naming_out_of_memory
+from distlm.training.precompile import CompileReport, precompile
 from distlm.training.python_api import naming_config_fields, prepare_config
 from distlm.training.run_description import describe_run, tokenizer_writer
-from distlm.runtime.signals import StopSignals
 from distlm.training.start_log import choose_document_attention, log_start, pipeline_stage_sizes
+from distlm.training.startup import Start, start_run
+from distlm.training.stats import TrainStats, run_stats
 from distlm.training.step import Update, UpdateSettings
 
 logger = logging.getLogger("distlm")

@@ -16,10 +16,9 @@ import torch
 
 from distlm.backends import Backend
 from distlm.backends.hardware import HALF_PRECISION_CPU_FLAGS, cpu_half_precision_flags, measure_cpu_matmul_flops
-from distlm.training.builder import ModelSpec, resolve_model_spec
 from distlm.config import TrainConfig, check_settings
-from distlm.launch.cluster_env import ClusterEnv
 from distlm.errors import UsageError
+from distlm.launch.cluster_env import ClusterEnv
 from distlm.layout import Layout, simulated_node_of_rank
 from distlm.mesh import ParallelDims
 from distlm.models.contract import check_model
@@ -28,6 +27,7 @@ from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
 from distlm.parallel.tp import validate_tp
+from distlm.training.builder import ModelSpec, resolve_model_spec
 
 logger = logging.getLogger("distlm")
 

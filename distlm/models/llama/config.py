@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from distlm.errors import UsageError
 
-
 # Rotary frequency scalings distlm implements (Hugging Face's rope_type names).
 ROPE_TYPES = ("default", "llama3")
 

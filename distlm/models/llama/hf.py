@@ -64,8 +64,8 @@ from distlm.models.hf.common import (
     require,
     setting,
 )
-from distlm.models.llama.model import LlamaCausalLM
 from distlm.models.llama.config import LlamaConfig
+from distlm.models.llama.model import LlamaCausalLM
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"

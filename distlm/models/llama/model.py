@@ -18,9 +18,6 @@ from distlm.models.contract import TransformerLM
 from distlm.models.llama.config import LlamaConfig
 
 
-
-
-
 def llama3_scaled_frequencies(
     freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original_max_seq_len: int
 ) -> torch.Tensor:

@@ -9,7 +9,6 @@ from distlm.choices import MOE_ROUTERS
 from distlm.errors import UsageError
 from distlm.models.llama.config import LlamaConfig
 
-
 ROUTERS = MOE_ROUTERS
 
 

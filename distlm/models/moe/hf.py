@@ -52,10 +52,10 @@ from typing import Any, Iterator
 import torch
 
 from distlm.errors import UsageError
-from distlm.models.llama import hf as llama
 from distlm.models.hf.common import HFAdapter, Read, Region, SpecialTokens, check_architectures, refuse, setting
-from distlm.models.moe.model import MoECausalLM
+from distlm.models.llama import hf as llama
 from distlm.models.moe.config import MoEConfig
+from distlm.models.moe.model import MoECausalLM
 
 # transformers' class defaults (Qwen3MoeConfig, MixtralConfig), used for keys a config.json
 # leaves out, as transformers itself does when it reads the file.

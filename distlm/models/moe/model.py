@@ -51,9 +51,6 @@ from distlm.models.llama.model import LlamaAttention, LlamaBlock, LlamaCausalLM,
 from distlm.models.moe.config import MoEConfig
 
 
-
-
-
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter that expert parallelism distributed (a DTensor's
     local shard), the tensor itself otherwise; read by duck typing, as models import no distributed code."""

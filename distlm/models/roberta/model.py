@@ -6,15 +6,12 @@ head whose output projection is tied to the token embedding.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from distlm.models.contract import TransformerLM
 from distlm.models.roberta.config import RobertaConfig
-
-
 
 
 def make_positions(input_ids: torch.Tensor, padding_idx: int) -> torch.Tensor:
