@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from distlm.backends import Backend
+from distlm.backends.base import Backend
 from distlm.errors import first_line
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.mesh import ParallelDims

@@ -12,9 +12,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from distlm.backends import Backend
 from distlm.backends.attempt_store import current_attempt
-from distlm.backends.base import uses_agent_store
+from distlm.backends.base import Backend, uses_agent_store
 from distlm.launch.cluster_env import ClusterEnv
 from distlm.launch.hosts import nodes_of_ranks, place_by_hosts, this_host
 from distlm.runtime.heartbeat import Heartbeat, current_heartbeat, start_heartbeat
