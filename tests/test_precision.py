@@ -6,17 +6,20 @@ reference (the fp32 run, the parameters before a skipped update) is computed her
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 
+from distlm.backends import hardware
 from distlm.config import parse_args
 from distlm.training.divergence import DivergenceError
 from distlm.errors import UsageError
 from distlm.optim import Fp32StateAdamW
 from distlm.state.names import unwrap
 from distlm.precision import DynamicLossScaler, Precision
+from distlm.training import validation
 from distlm.training.trainer import Trainer
 
 # ------------------------------------------------------------------ DynamicLossScaler
@@ -378,3 +381,40 @@ def test_tolerances_resolve_a_learning_rate_change(data_dir, tmp_path, fp32_traj
     faster = trajectory(data_dir, tmp_path, "fp32", arch, extra=["--lr", "1.25e-3"])
     for mode, tolerance in TOLERANCE.items():
         assert not within(faster, reference, tolerance), mode
+
+
+# ------------------------------------------------------------- the CPU's bf16 path
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["amx_bf16", "avx512_bf16"], "fast bf16 matrix instructions (CPU flag amx_bf16): AMX tiles"),
+    (["avx512_bf16"], "fast bf16 matrix instructions (CPU flag avx512_bf16): AVX512-BF16 dot products"),
+    (["avx512_fp16"], "no bf16 matrix instructions (neither amx_bf16 nor avx512_bf16): bf16 matrix multiplies go "
+                      "through fp32 arithmetic"),
+])
+def test_the_bf16_line_names_the_path_the_cpus_flags_give(monkeypatch, caplog, flags, expected):
+    monkeypatch.setattr(hardware, "cpu_half_precision_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        validation.log_cpu_bf16_path()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("--bf16 on this CPU: ") and expected in lines[0], lines
+
+
+def test_the_fp16_path_follows_amx_fp16_then_avx512_fp16():
+    assert hardware.cpu_half_precision_path("fp16", ["amx_fp16", "avx512_fp16", "amx_bf16"])[0] == "amx_fp16"
+    assert hardware.cpu_half_precision_path("fp16", ["avx512_fp16", "avx512_bf16"])[0] == "avx512_fp16"
+    assert hardware.cpu_half_precision_path("fp16", ["amx_bf16", "avx512_bf16"]) == (
+        None, "no fp16 matrix instructions (neither amx_fp16 nor avx512_fp16)")
+
+
+def test_a_bf16_cpu_run_says_its_path_once_at_start_without_a_timed_probe(data_dir, tmp_path, monkeypatch, caplog):
+    def no_probe(*args, **kwargs):
+        raise AssertionError("--bf16 times no matrix multiply at start-up")
+
+    monkeypatch.setattr(validation, "measure_cpu_matmul_flops", no_probe)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        make_trainer(data_dir, tmp_path / "bf16", "bf16")
+        make_trainer(data_dir, tmp_path / "fp32", "fp32")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--bf16 on this CPU: ")]
+    flag = hardware.cpu_half_precision_path("bf16")[0]  # this machine's, whichever it is
+    assert len(lines) == 1 and (f"(CPU flag {flag})" if flag else "no bf16 matrix instructions") in lines[0], lines
