@@ -1,0 +1,364 @@
+"""fp32 against bf16 on this CPU, at roberta_base's and a ~125M Llama's shapes: what the
+matrix hardware gives, what distlm's training update gets, and where the bf16 update's time goes.
+
+    python benchmarks/cpu_precision.py [--parts ceiling,update,profile] [--threads 1,2] [--rounds 3]
+
+- ``ceiling``: one block's linear-layer matrix multiplies (forward, input gradient, weight
+  gradient, with the transposes autograd hands them) and its attention (SDPA forward and
+  backward), each in fp32 and bf16, on each thread count.
+- ``update``: distlm's whole update (forward, backward, clip, AdamW) from the command line,
+  fp32 against ``--bf16`` (autocast, fp32 weights), tokens per second.
+- ``profile``: one ``--bf16`` update under torch.profiler, grouped by kind of work, and the
+  oneDNN kernels it dispatched (``torch.backends.mkldnn.verbose``, as ``ONEDNN_VERBOSE=1`` shows
+  them) with the ISA oneDNN reports; fp32's matrix multiplies go to MKL, not oneDNN.
+
+fp16 joins each part where the CPU has fp16 matrix instructions (amx_fp16, avx512_fp16), or with
+``--fp16``; elsewhere torch multiplies fp16 matrices in a scalar loop, hundreds of times slower.
+This machine is noisy: contenders alternate within every round (the order rotates), and the
+report gives medians and ratios. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from distlm.backends.hardware import cpu_half_precision_flags, cpu_half_precision_path
+from distlm.config import parse_args
+from distlm.precision import DTYPES, precision_flags
+from distlm.training.trainer import Trainer
+
+# Published sizes, so the embedding, the output layer and the optimizer weigh what they do in a real run.
+MODELS: dict[str, list[str]] = {
+    "roberta_base": ["--arch", "roberta_base", "--vocab-size", "50265"],
+    "llama_125m": ["--arch", "llama_tiny", "--decoder-layers", "12", "--decoder-embed-dim", "768",
+                   "--decoder-attention-heads", "12", "--kv-heads", "12", "--decoder-ffn-embed-dim", "2048",
+                   "--vocab-size", "32000"],
+}
+TOKENS_PER_SAMPLE = 512
+
+
+def run_flags(model: str, precision: str, batch_size: int) -> list[str]:
+    return [*MODELS[model], *precision_flags(precision), "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
+            "--batch-size", str(batch_size), "--dropout", "0", "--attention-dropout", "0", "--no-save",
+            "--device", "cpu", "--max-update", "1000000", "--disable-validation", "--log-format", "json"]
+
+
+def precisions(force_fp16: bool) -> list[str]:
+    fast_fp16 = cpu_half_precision_path("fp16")[0] is not None
+    return ["fp32", "bf16"] + (["fp16"] if fast_fp16 or force_fp16 else [])
+
+
+def cpu_description() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return {"cpu": model, "cores": os.cpu_count(), "half_precision_flags": cpu_half_precision_flags(),
+            "bf16_path": cpu_half_precision_path("bf16")[1], "fp16_path": cpu_half_precision_path("fp16")[1],
+            "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    return round(statistics.median(n / d for n, d in zip(numerators, denominators)), 3)
+
+
+# ------------------------------------------------------------------ ceiling
+
+
+def block_shapes(trainer: Trainer) -> tuple[list[tuple[int, int]], tuple[int, int, int], bool]:
+    """One block's linear weights as (out, in), its attention (heads, head size, tokens), and
+    whether attention is causal; read from the built model."""
+    model = trainer.model
+    block = model.layers[0]
+    weights = [tuple(m.weight.shape) for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    config = model.config
+    heads = config.n_heads
+    return weights, (heads, config.dim // heads, TOKENS_PER_SAMPLE), trainer.task == "causal_lm"
+
+
+def block_matmuls(weights: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> tuple[Callable, float]:
+    """The block's linear layers' three multiplies each, as autograd runs them, and their FLOPs."""
+    generator = torch.Generator().manual_seed(0)
+    work = []
+    flops = 0.0
+    for out_features, in_features in weights:
+        x = torch.randn(tokens, in_features, generator=generator).to(dtype)
+        w = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        g = torch.randn(tokens, out_features, generator=generator).to(dtype)
+        work.append((x, w, g))
+        flops += 3 * 2.0 * tokens * in_features * out_features
+
+    def run():
+        for x, w, g in work:
+            torch.mm(x, w.t())  # forward: x W^T
+            torch.mm(g, w)  # input gradient
+            torch.mm(g.t(), x)  # weight gradient
+
+    return run, flops
+
+
+def attention(batch: int, heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype) -> Callable:
+    """SDPA forward and backward on [B, T, H, D] projections viewed as [B, H, T, D], as the models call it."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(batch, tokens, heads * head_dim, generator=generator).to(dtype)
+
+    def run():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal)
+        out.transpose(1, 2).reshape(batch, tokens, -1).backward(grad)
+
+    return run
+
+
+def timed(run: Callable) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure_ceiling(args, modes: list[str]) -> dict:
+    report = {}
+    for model in MODELS:
+        trainer = Trainer(parse_args(run_flags(model, "fp32", args.batch_size)))
+        weights, (heads, head_dim, tokens), causal = block_shapes(trainer)
+        del trainer
+        gc.collect()
+        rows = args.batch_size * tokens
+        contenders, flops = {}, 0.0
+        for mode in modes:
+            contenders[f"matmul_{mode}"], flops = block_matmuls(weights, rows, DTYPES[mode])
+            contenders[f"attention_{mode}"] = attention(args.batch_size, heads, head_dim, tokens, causal, DTYPES[mode])
+        times = {(threads, name): [] for threads in args.threads for name in contenders}
+        for threads in args.threads:  # warm-up: oneDNN builds its kernels for each shape on first use
+            torch.set_num_threads(threads)
+            for run in contenders.values():
+                run()
+        for round_index in range(args.rounds):
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                order = list(contenders.items())
+                shift = round_index % len(order)
+                for name, run in order[shift:] + order[:shift]:
+                    times[threads, name].append(timed(run))
+        for threads in args.threads:
+            entry = {"linear_matmul_gflop": round(flops / 1e9, 2), "attention_causal": causal}
+            for mode in modes:
+                entry[f"matmul_{mode}_gflops"] = round(flops / statistics.median(times[threads, f"matmul_{mode}"]) / 1e9, 1)
+                entry[f"attention_{mode}_ms"] = round(statistics.median(times[threads, f"attention_{mode}"]) * 1e3, 1)
+            for mode in modes[1:]:
+                entry[f"matmul_{mode}_over_fp32_speed"] = median_ratio(times[threads, "matmul_fp32"],
+                                                                       times[threads, f"matmul_{mode}"])
+                entry[f"attention_{mode}_over_fp32_speed"] = median_ratio(times[threads, "attention_fp32"],
+                                                                          times[threads, f"attention_{mode}"])
+            report[f"{model}_threads{threads}"] = entry
+    return report
+
+
+# ------------------------------------------------------------------ update
+
+
+def update_runner(trainer: Trainer, steps: int) -> Callable:
+    """``steps`` updates over a fixed set of the trainer's own batches (the same data for every
+    precision: each trainer's loader starts from the same seed)."""
+    loader = trainer.update_batches()
+    batches = [next(loader) for _ in range(steps)]
+
+    def run():
+        for batch in batches:
+            trainer.train_step(batch)
+
+    return run
+
+
+def measure_updates(args, modes: list[str]) -> dict:
+    report = {}
+    for model in MODELS:
+        runs = {}
+        for mode in modes:
+            runs[mode] = update_runner(Trainer(parse_args(run_flags(model, mode, args.batch_size))), args.steps)
+        for threads in args.threads:  # warm-up: optimizer state, oneDNN kernels for every shape of the batches
+            torch.set_num_threads(threads)
+            for run in runs.values():
+                run()
+        times = {(threads, mode): [] for threads in args.threads for mode in modes}
+        for round_index in range(args.rounds):
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
+                for mode in order:
+                    times[threads, mode].append(timed(runs[mode]) / args.steps)
+        tokens = args.batch_size * TOKENS_PER_SAMPLE
+        for threads in args.threads:
+            entry = {"tokens_per_update": tokens}
+            for mode in modes:
+                median = statistics.median(times[threads, mode])
+                entry[f"{mode}_update_s"] = round(median, 3)
+                entry[f"{mode}_tokens_per_s"] = round(tokens / median, 1)
+                entry[f"{mode}_update_s_rounds"] = [round(t, 3) for t in times[threads, mode]]
+            for mode in modes[1:]:
+                entry[f"{mode}_over_fp32_speed_ratio_of_medians"] = round(
+                    statistics.median(times[threads, "fp32"]) / statistics.median(times[threads, mode]), 3)
+                entry[f"{mode}_over_fp32_speed_median_of_round_ratios"] = median_ratio(
+                    times[threads, "fp32"], times[threads, mode])
+            report[f"{model}_threads{threads}"] = entry
+        del runs
+        gc.collect()
+    return report
+
+
+# ------------------------------------------------------------------ profile
+
+# Kinds of work, by op name. An op takes the kind of the innermost op around it (itself
+# included) that has one: the casts autocast makes inside aten::linear count as casts, the
+# elementwise ops inside aten::rms_norm as norms, and an op inside none as other.
+KINDS = (
+    ("attention (SDPA)", re.compile(r"scaled_dot_product|ScaledDotProduct")),
+    ("matrix multiplies", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|^(Mm|Addmm|Bmm)Backward")),
+    ("casts and copies", re.compile(r"^aten::(copy_|_to_copy|to|contiguous|clone)$|ToCopyBackward")),
+    ("loss (log-softmax, NLL)", re.compile(r"log_softmax|nll_loss|cross_entropy|LogSoftmaxBackward|NllLossBackward")),
+    ("norms", re.compile(r"layer_norm|rms_norm|LayerNormBackward|RmsNormBackward")),
+    ("optimizer and clipping", re.compile(r"^Optimizer\.|adamw|_foreach_|linalg_vector_norm")),
+)
+OTHER = "other (elementwise, embedding, autograd)"
+
+
+def kind_of(event) -> str:
+    while event is not None:
+        kind = next((kind for kind, pattern in KINDS if pattern.search(event.name)), None)
+        if kind is not None:
+            return kind
+        event = event.cpu_parent
+    return OTHER
+
+
+def profiled(run: Callable, rows: int) -> tuple[dict[str, float], str]:
+    """Seconds of each kind of work in one ``run`` (self times), and torch.profiler's table of the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    kinds = collections.Counter()
+    for event in prof.events():
+        kinds[kind_of(event)] += event.self_cpu_time_total / 1e6
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+    return dict(kinds), table
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+@contextlib.contextmanager
+def onednn_verbose_into(path: str):
+    """oneDNN's verbose lines (written to the process's stdout by C code) into ``path``."""
+    with open(path, "w") as sink:
+        _LIBC.fflush(None)
+        saved = os.dup(1)
+        os.dup2(sink.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                yield
+        finally:
+            _LIBC.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def onednn_kernels(run: Callable) -> dict:
+    """The ISA oneDNN reports (on the first capture of the process only) and, per primitive
+    and implementation, how many calls ran and their summed execution time."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "onednn.log")
+        with onednn_verbose_into(path):
+            run()
+        lines = open(path).read().splitlines()
+    isa = next((line.split("isa:", 1)[1] for line in lines if ",isa:" in line), None)
+    calls, ms = collections.Counter(), collections.Counter()
+    for line in lines:
+        fields = line.split(",")
+        if len(fields) > 6 and fields[2] == "primitive" and fields[3] == "exec":
+            key = f"{fields[5]} {fields[6]}"  # e.g. "matmul brg_matmul:avx512_core_bf16"
+            calls[key] += 1
+            ms[key] += float(fields[-1])
+    kernels = {key: {"calls": n, "ms": round(ms[key], 1)} for key, n in calls.most_common()}
+    return {"isa": isa, "kernels": kernels} if isa else {"kernels": kernels}
+
+
+def measure_profiles(args, modes: list[str]) -> dict:
+    """Per model: each kind of work's seconds in one update per precision and its speed-up
+    over fp32, the top ops of each half-precision update, and the oneDNN kernels of each."""
+    report = {}
+    threads = max(args.threads)
+    torch.set_num_threads(threads)
+    for model in MODELS:
+        entry = {"threads": threads}
+        kinds = {}
+        for mode in modes:
+            run = update_runner(Trainer(parse_args(run_flags(model, mode, args.batch_size))), 1)
+            run()  # warm-up
+            entry[f"onednn_{mode}"] = onednn_kernels(run)
+            if "isa" in entry[f"onednn_{mode}"]:
+                report["onednn_isa"] = entry[f"onednn_{mode}"].pop("isa")
+            kinds[mode], table = profiled(run, args.profile_rows)
+            if mode != "fp32":
+                entry[f"table_{mode}"] = table.splitlines()
+            del run
+            gc.collect()
+        entry["kinds_s"] = {
+            kind: {**{mode: round(kinds[mode].get(kind, 0.0), 3) for mode in modes},
+                   **{f"{mode}_speedup": round(kinds["fp32"].get(kind, 0.0) / kinds[mode][kind], 2)
+                      for mode in modes[1:] if kinds[mode].get(kind)}}
+            for kind in sorted(kinds["bf16"], key=kinds["bf16"].get, reverse=True)
+        }
+        entry["total_s"] = {mode: round(sum(kinds[mode].values()), 3) for mode in modes}
+        report[model] = entry
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="ceiling,update,profile")
+    parser.add_argument("--threads", default=f"1,{torch.get_num_threads()}",
+                        help="intra-op thread counts, comma-separated (default: 1 and torch's default)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1, help="updates per timed round")
+    parser.add_argument("--batch-size", type=int, default=4, help=f"samples of {TOKENS_PER_SAMPLE} tokens an update")
+    parser.add_argument("--fp16", action="store_true", help="time fp16 too where the CPU has no fp16 instructions")
+    parser.add_argument("--profile-rows", type=int, default=25)
+    args = parser.parse_args()
+    args.threads = sorted({int(t) for t in args.threads.split(",")})
+    parts = args.parts.split(",")
+    modes = precisions(args.fp16)
+    report = {"benchmark": "cpu_precision", **cpu_description(), "batch_size": args.batch_size,
+              "tokens_per_sample": TOKENS_PER_SAMPLE, "rounds": args.rounds, "threads": args.threads,
+              "precisions": modes}
+    started = time.perf_counter()
+    if "ceiling" in parts:
+        report["ceiling"] = measure_ceiling(args, modes)
+    if "update" in parts:
+        report["update"] = measure_updates(args, modes)
+    if "profile" in parts:
+        report["profile"] = measure_profiles(args, modes)
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    report["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
