@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distlm.backends.hardware import cpu_half_precision_flags, cpu_half_precision_path
 from distlm.config import parse_args
@@ -112,19 +113,64 @@ def block_matmuls(weights: list[tuple[int, int]], tokens: int, dtype: torch.dtyp
     return run, flops
 
 
-def attention(batch: int, heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype) -> Callable:
-    """SDPA forward and backward on [B, T, H, D] projections viewed as [B, H, T, D], as the models call it."""
+# How attention can run, fastest-to-write first: SDPA as the models call it (torch picks its
+# fused CPU kernel), SDPA forced to its composite math backend, and matmul-softmax-matmul with
+# every intermediate in the compute type (scores rounded to it, all T x T scores kept for backward).
+ATTENTION_KINDS = ("sdpa", "sdpa_math", "unfused")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, kind: str) -> torch.Tensor:
+    """Attention of [B, H, T, D] queries, keys and values, the ``kind`` way."""
+    if kind == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if kind == "sdpa_math":
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+    if causal:
+        tokens = q.shape[-2]
+        scores = scores.masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attention(batch: int, heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype,
+              kind: str = "sdpa") -> Callable:
+    """Attention forward and backward on [B, T, H, D] projections viewed as [B, H, T, D], as the models call it."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).requires_grad_()
                for _ in range(3))
     grad = torch.randn(batch, tokens, heads * head_dim, generator=generator).to(dtype)
 
     def run():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=causal)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, kind)
         out.transpose(1, 2).reshape(batch, tokens, -1).backward(grad)
 
     return run
+
+
+def attention_errors(heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype) -> dict:
+    """Relative error (norm of the difference over the norm) of each attention kind's output and
+    query gradient in ``dtype`` against float64, for queries and keys of standard deviation 1
+    and 3 (the larger, the more peaked the attention and the larger the scores)."""
+    errors = {}
+    for spread in (1.0, 3.0):
+        generator = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(1, heads, tokens, head_dim, generator=generator, dtype=torch.float64) * spread
+                for _ in range(2))
+        v, grad = (torch.randn(1, heads, tokens, head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
+
+        def output_and_query_gradient(kind: str, as_type: torch.dtype) -> list[torch.Tensor]:
+            query = q.detach().to(as_type).requires_grad_()  # a leaf of its own, also in float64
+            out = attend(query, k.to(as_type), v.to(as_type), causal, kind)
+            out.backward(grad.to(as_type))
+            return [out.double(), query.grad.double()]
+
+        reference = output_and_query_gradient("sdpa_math", torch.float64)
+        for kind in ATTENTION_KINDS:
+            found = output_and_query_gradient(kind, dtype)
+            errors[f"{kind}_spread{spread:g}"] = [
+                float(f"{((a - b).norm() / b.norm()).item():.2g}") for a, b in zip(found, reference)]
+    return errors
 
 
 def timed(run: Callable) -> float:
@@ -145,6 +191,10 @@ def measure_ceiling(args, modes: list[str]) -> dict:
         for mode in modes:
             contenders[f"matmul_{mode}"], flops = block_matmuls(weights, rows, DTYPES[mode])
             contenders[f"attention_{mode}"] = attention(args.batch_size, heads, head_dim, tokens, causal, DTYPES[mode])
+        for mode in modes[1:]:  # the other ways of running attention in the half type, for comparison
+            for kind in ATTENTION_KINDS[1:]:
+                contenders[f"attention_{mode}_{kind}"] = attention(
+                    args.batch_size, heads, head_dim, tokens, causal, DTYPES[mode], kind)
         times = {(threads, name): [] for threads in args.threads for name in contenders}
         for threads in args.threads:  # warm-up: oneDNN builds its kernels for each shape on first use
             torch.set_num_threads(threads)
@@ -160,14 +210,23 @@ def measure_ceiling(args, modes: list[str]) -> dict:
         for threads in args.threads:
             entry = {"linear_matmul_gflop": round(flops / 1e9, 2), "attention_causal": causal}
             for mode in modes:
-                entry[f"matmul_{mode}_gflops"] = round(flops / statistics.median(times[threads, f"matmul_{mode}"]) / 1e9, 1)
+                matmul_s = statistics.median(times[threads, f"matmul_{mode}"])
+                entry[f"matmul_{mode}_gflops"] = round(flops / matmul_s / 1e9, 1)
                 entry[f"attention_{mode}_ms"] = round(statistics.median(times[threads, f"attention_{mode}"]) * 1e3, 1)
             for mode in modes[1:]:
                 entry[f"matmul_{mode}_over_fp32_speed"] = median_ratio(times[threads, "matmul_fp32"],
                                                                        times[threads, f"matmul_{mode}"])
                 entry[f"attention_{mode}_over_fp32_speed"] = median_ratio(times[threads, "attention_fp32"],
                                                                           times[threads, f"attention_{mode}"])
+                for kind in ATTENTION_KINDS[1:]:
+                    name = f"attention_{mode}_{kind}"
+                    entry[f"{name}_ms"] = round(statistics.median(times[threads, name]) * 1e3, 1)
+                    entry[f"{name}_over_fp32_speed"] = median_ratio(times[threads, "attention_fp32"],
+                                                                    times[threads, name])
             report[f"{model}_threads{threads}"] = entry
+        for mode in modes[1:]:
+            report[f"{model}_attention_{mode}_error_output_query_grad"] = attention_errors(
+                heads, head_dim, tokens, causal, DTYPES[mode])
     return report
 
 
