@@ -3,17 +3,25 @@ matrix hardware gives, what distlm's training update gets, and where the bf16 up
 
     python benchmarks/cpu_precision.py [--parts ceiling,update,profile] [--threads 1,2] [--rounds 3]
 
+Each model trains with its architecture's own dropouts, as a user's run does: RoBERTa's 0.1
+(attention dropout included), Llama's none.
+
 - ``ceiling``: one block's linear-layer matrix multiplies (forward, input gradient, weight
-  gradient, with the transposes autograd hands them) and its attention (SDPA forward and
-  backward), each in fp32 and bf16, on each thread count.
+  gradient, with the transposes autograd hands them) and its attention (forward and backward,
+  with the model's attention dropout), each in fp32 and bf16, on each thread count. Attention
+  runs as distlm runs it (SDPA under the precision's context), as torch runs it by default (SDPA
+  alone: its math backend upcasts bf16 to fp32), and unfused (matmul-softmax-matmul in bf16,
+  scores rounded to bf16); each one's error against float64 is measured too.
 - ``update``: distlm's whole update (forward, backward, clip, AdamW) from the command line,
-  fp32 against ``--bf16`` (autocast, fp32 weights), tokens per second.
-- ``profile``: one ``--bf16`` update under torch.profiler, grouped by kind of work, and the
-  oneDNN kernels it dispatched (``torch.backends.mkldnn.verbose``, as ``ONEDNN_VERBOSE=1`` shows
-  them) with the ISA oneDNN reports; fp32's matrix multiplies go to MKL, not oneDNN.
+  fp32 against ``--bf16`` (autocast, fp32 weights), tokens per second; for a model with attention
+  dropout also ``--bf16`` with torch's default attention (``bf16_torch_attention``).
+- ``profile``: one update per precision under torch.profiler, grouped by kind of work, the top
+  ops of the bf16 update, and the oneDNN kernels each dispatched (``torch.backends.mkldnn.verbose``,
+  as ``ONEDNN_VERBOSE=1`` shows them) with the ISA oneDNN reports; fp32's matrix multiplies go to
+  MKL, not oneDNN.
 
 fp16 joins each part where the CPU has fp16 matrix instructions (amx_fp16, avx512_fp16), or with
-``--fp16``; elsewhere torch multiplies fp16 matrices in a scalar loop, hundreds of times slower.
+``--fp16``; elsewhere torch multiplies fp16 matrices in a scalar loop, tens of times slower.
 This machine is noisy: contenders alternate within every round (the order rotates), and the
 report gives medians and ratios. Prints one JSON object.
 """
@@ -24,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import gc
 import json
@@ -37,11 +46,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distlm.backends.hardware import cpu_half_precision_flags, cpu_half_precision_path
 from distlm.config import parse_args
-from distlm.precision import DTYPES, precision_flags
+from distlm.precision import DTYPES, Precision, dtype_name, precision_flags
 from distlm.training.trainer import Trainer
 
 # Published sizes, so the embedding, the output layer and the optimizer weigh what they do in a real run.
@@ -56,8 +64,18 @@ TOKENS_PER_SAMPLE = 512
 
 def run_flags(model: str, precision: str, batch_size: int) -> list[str]:
     return [*MODELS[model], *precision_flags(precision), "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
-            "--batch-size", str(batch_size), "--dropout", "0", "--attention-dropout", "0", "--no-save",
-            "--device", "cpu", "--max-update", "1000000", "--disable-validation", "--log-format", "json"]
+            "--batch-size", str(batch_size), "--no-save", "--device", "cpu", "--max-update", "1000000",
+            "--disable-validation", "--log-format", "json"]
+
+
+def build_trainer(model: str, contender: str, batch_size: int) -> Trainer:
+    """A Trainer of ``model`` in the contender's precision. ``bf16_torch_attention`` is ``--bf16``
+    with plain autocast, as torch runs it by default: without ``Precision.autocast``'s bf16 math attention."""
+    precision = "bf16" if contender == "bf16_torch_attention" else contender
+    trainer = Trainer(parse_args(run_flags(model, precision, batch_size)))
+    if contender == "bf16_torch_attention":
+        trainer.update = dataclasses.replace(trainer.update, autocast=lambda: torch.autocast("cpu", torch.bfloat16))
+    return trainer
 
 
 def precisions(force_fp16: bool) -> list[str]:
@@ -81,15 +99,23 @@ def median_ratio(numerators: list[float], denominators: list[float]) -> float:
 # ------------------------------------------------------------------ ceiling
 
 
-def block_shapes(trainer: Trainer) -> tuple[list[tuple[int, int]], tuple[int, int, int], bool]:
-    """One block's linear weights as (out, in), its attention (heads, head size, tokens), and
-    whether attention is causal; read from the built model."""
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """What one block of a model multiplies: its linear weights as (out, in), and its attention."""
+
+    weights: list[tuple[int, int]]
+    heads: int
+    head_dim: int
+    causal: bool
+    attention_dropout: float
+
+
+def block_of(trainer: Trainer) -> Block:
     model = trainer.model
-    block = model.layers[0]
-    weights = [tuple(m.weight.shape) for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [tuple(m.weight.shape) for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
     config = model.config
-    heads = config.n_heads
-    return weights, (heads, config.dim // heads, TOKENS_PER_SAMPLE), trainer.task == "causal_lm"
+    return Block(weights, config.n_heads, config.dim // config.n_heads, trainer.task == "causal_lm",
+                 config.attention_dropout)
 
 
 def block_matmuls(weights: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> tuple[Callable, float]:
@@ -113,59 +139,61 @@ def block_matmuls(weights: list[tuple[int, int]], tokens: int, dtype: torch.dtyp
     return run, flops
 
 
-# How attention can run, fastest-to-write first: SDPA as the models call it (torch picks its
-# fused CPU kernel), SDPA forced to its composite math backend, and matmul-softmax-matmul with
-# every intermediate in the compute type (scores rounded to it, all T x T scores kept for backward).
-ATTENTION_KINDS = ("sdpa", "sdpa_math", "unfused")
+# How attention runs: as distlm runs it (SDPA under the precision's context), as torch runs it
+# by default (SDPA alone), and unfused (matmul-softmax-matmul with every intermediate in the
+# compute type: scores rounded to it, all T x T probabilities kept for backward).
+ATTENTION_KINDS = ("distlm", "torch_default", "unfused")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, kind: str) -> torch.Tensor:
-    """Attention of [B, H, T, D] queries, keys and values, the ``kind`` way."""
-    if kind == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    if kind == "sdpa_math":
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
-    if causal:
-        tokens = q.shape[-2]
-        scores = scores.masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block, kind: str) -> torch.Tensor:
+    """Training-mode attention of [B, H, T, D] queries, keys and values, the ``kind`` way."""
+    if kind == "unfused":
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
+        if block.causal:
+            tokens = q.shape[-2]
+            scores = scores.masked_fill(~torch.ones(tokens, tokens, dtype=torch.bool).tril(), float("-inf"))
+        return F.dropout(torch.softmax(scores, dim=-1), block.attention_dropout) @ v
+    context = Precision.from_mode(dtype_name(q.dtype)).autocast("cpu") if kind == "distlm" else contextlib.nullcontext()
+    with context:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=block.attention_dropout, is_causal=block.causal)
 
 
-def attention(batch: int, heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype,
-              kind: str = "sdpa") -> Callable:
+def attention(block: Block, batch: int, tokens: int, dtype: torch.dtype, kind: str) -> Callable:
     """Attention forward and backward on [B, T, H, D] projections viewed as [B, H, T, D], as the models call it."""
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch, tokens, heads, head_dim, generator=generator).to(dtype).requires_grad_()
-               for _ in range(3))
-    grad = torch.randn(batch, tokens, heads * head_dim, generator=generator).to(dtype)
+    q, k, v = (torch.randn(batch, tokens, block.heads, block.head_dim, generator=generator).to(dtype)
+               .requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, tokens, block.heads * block.head_dim, generator=generator).to(dtype)
 
     def run():
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, kind)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block, kind)
         out.transpose(1, 2).reshape(batch, tokens, -1).backward(grad)
 
     return run
 
 
-def attention_errors(heads: int, head_dim: int, tokens: int, causal: bool, dtype: torch.dtype) -> dict:
+def attention_errors(block: Block, tokens: int, dtype: torch.dtype) -> dict:
     """Relative error (norm of the difference over the norm) of each attention kind's output and
     query gradient in ``dtype`` against float64, for queries and keys of standard deviation 1
-    and 3 (the larger, the more peaked the attention and the larger the scores)."""
+    and 3 (the larger, the more peaked the attention and the larger the scores). The seed is
+    fixed before each call, and dropout draws its mask element by element whatever the dtype,
+    so every kind drops the same positions."""
     errors = {}
     for spread in (1.0, 3.0):
         generator = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(1, heads, tokens, head_dim, generator=generator, dtype=torch.float64) * spread
+        q, k = (torch.randn(1, block.heads, tokens, block.head_dim, generator=generator, dtype=torch.float64) * spread
                 for _ in range(2))
-        v, grad = (torch.randn(1, heads, tokens, head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
+        v, grad = (torch.randn(1, block.heads, tokens, block.head_dim, generator=generator, dtype=torch.float64)
+                   for _ in range(2))
 
         def output_and_query_gradient(kind: str, as_type: torch.dtype) -> list[torch.Tensor]:
             query = q.detach().to(as_type).requires_grad_()  # a leaf of its own, also in float64
-            out = attend(query, k.to(as_type), v.to(as_type), causal, kind)
+            torch.manual_seed(1)
+            out = attend(query, k.to(as_type), v.to(as_type), block, kind)
             out.backward(grad.to(as_type))
             return [out.double(), query.grad.double()]
 
-        reference = output_and_query_gradient("sdpa_math", torch.float64)
+        reference = output_and_query_gradient("torch_default", torch.float64)
         for kind in ATTENTION_KINDS:
             found = output_and_query_gradient(kind, dtype)
             errors[f"{kind}_spread{spread:g}"] = [
@@ -181,20 +209,19 @@ def timed(run: Callable) -> float:
 
 def measure_ceiling(args, modes: list[str]) -> dict:
     report = {}
+    tokens = TOKENS_PER_SAMPLE
     for model in MODELS:
-        trainer = Trainer(parse_args(run_flags(model, "fp32", args.batch_size)))
-        weights, (heads, head_dim, tokens), causal = block_shapes(trainer)
+        trainer = build_trainer(model, "fp32", args.batch_size)
+        block = block_of(trainer)
         del trainer
         gc.collect()
-        rows = args.batch_size * tokens
         contenders, flops = {}, 0.0
         for mode in modes:
-            contenders[f"matmul_{mode}"], flops = block_matmuls(weights, rows, DTYPES[mode])
-            contenders[f"attention_{mode}"] = attention(args.batch_size, heads, head_dim, tokens, causal, DTYPES[mode])
-        for mode in modes[1:]:  # the other ways of running attention in the half type, for comparison
+            contenders[f"matmul_{mode}"], flops = block_matmuls(block.weights, args.batch_size * tokens, DTYPES[mode])
+            contenders[f"attention_{mode}"] = attention(block, args.batch_size, tokens, DTYPES[mode], "distlm")
+        for mode in modes[1:]:  # the other ways of running attention in the half type
             for kind in ATTENTION_KINDS[1:]:
-                contenders[f"attention_{mode}_{kind}"] = attention(
-                    args.batch_size, heads, head_dim, tokens, causal, DTYPES[mode], kind)
+                contenders[f"attention_{mode}_{kind}"] = attention(block, args.batch_size, tokens, DTYPES[mode], kind)
         times = {(threads, name): [] for threads in args.threads for name in contenders}
         for threads in args.threads:  # warm-up: oneDNN builds its kernels for each shape on first use
             torch.set_num_threads(threads)
@@ -208,7 +235,8 @@ def measure_ceiling(args, modes: list[str]) -> dict:
                 for name, run in order[shift:] + order[:shift]:
                     times[threads, name].append(timed(run))
         for threads in args.threads:
-            entry = {"linear_matmul_gflop": round(flops / 1e9, 2), "attention_causal": causal}
+            entry = {"linear_matmul_gflop": round(flops / 1e9, 2), "attention_causal": block.causal,
+                     "attention_dropout": block.attention_dropout}
             for mode in modes:
                 matmul_s = statistics.median(times[threads, f"matmul_{mode}"])
                 entry[f"matmul_{mode}_gflops"] = round(flops / matmul_s / 1e9, 1)
@@ -225,8 +253,7 @@ def measure_ceiling(args, modes: list[str]) -> dict:
                                                                     times[threads, name])
             report[f"{model}_threads{threads}"] = entry
         for mode in modes[1:]:
-            report[f"{model}_attention_{mode}_error_output_query_grad"] = attention_errors(
-                heads, head_dim, tokens, causal, DTYPES[mode])
+            report[f"{model}_attention_{mode}_error_output_query_grad"] = attention_errors(block, tokens, DTYPES[mode])
     return report
 
 
@@ -246,32 +273,42 @@ def update_runner(trainer: Trainer, steps: int) -> Callable:
     return run
 
 
+def contenders_of(model: str, modes: list[str], batch_size: int) -> list[str]:
+    """The precisions, and bf16 with torch's default attention where the model has attention dropout."""
+    trainer = build_trainer(model, "fp32", batch_size)
+    dropout = trainer.model.config.attention_dropout
+    del trainer
+    gc.collect()
+    return modes + (["bf16_torch_attention"] if dropout > 0 and "bf16" in modes else [])
+
+
 def measure_updates(args, modes: list[str]) -> dict:
     report = {}
     for model in MODELS:
+        modes_here = contenders_of(model, modes, args.batch_size)
         runs = {}
-        for mode in modes:
-            runs[mode] = update_runner(Trainer(parse_args(run_flags(model, mode, args.batch_size))), args.steps)
+        for mode in modes_here:
+            runs[mode] = update_runner(build_trainer(model, mode, args.batch_size), args.steps)
         for threads in args.threads:  # warm-up: optimizer state, oneDNN kernels for every shape of the batches
             torch.set_num_threads(threads)
             for run in runs.values():
                 run()
-        times = {(threads, mode): [] for threads in args.threads for mode in modes}
+        times = {(threads, mode): [] for threads in args.threads for mode in modes_here}
         for round_index in range(args.rounds):
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
+                order = modes_here[round_index % len(modes_here):] + modes_here[:round_index % len(modes_here)]
                 for mode in order:
                     times[threads, mode].append(timed(runs[mode]) / args.steps)
         tokens = args.batch_size * TOKENS_PER_SAMPLE
         for threads in args.threads:
             entry = {"tokens_per_update": tokens}
-            for mode in modes:
+            for mode in modes_here:
                 median = statistics.median(times[threads, mode])
                 entry[f"{mode}_update_s"] = round(median, 3)
                 entry[f"{mode}_tokens_per_s"] = round(tokens / median, 1)
                 entry[f"{mode}_update_s_rounds"] = [round(t, 3) for t in times[threads, mode]]
-            for mode in modes[1:]:
+            for mode in modes_here[1:]:
                 entry[f"{mode}_over_fp32_speed_ratio_of_medians"] = round(
                     statistics.median(times[threads, "fp32"]) / statistics.median(times[threads, mode]), 3)
                 entry[f"{mode}_over_fp32_speed_median_of_round_ratios"] = median_ratio(
@@ -284,11 +321,15 @@ def measure_updates(args, modes: list[str]) -> dict:
 
 # ------------------------------------------------------------------ profile
 
-# Kinds of work, by op name. An op takes the kind of the innermost op around it (itself
-# included) that has one: the casts autocast makes inside aten::linear count as casts, the
-# elementwise ops inside aten::rms_norm as norms, and an op inside none as other.
+# Kinds of work, by op name. An op inside attention is attention; any other takes the kind of
+# the innermost op around it (itself included) that has one: the casts autocast makes inside
+# aten::linear count as casts, the elementwise ops inside aten::rms_norm as norms, and an op
+# inside none as other. Backward ops go by their own names (a decomposed norm's backward, and
+# dropout's, count as other).
 KINDS = (
-    ("attention (SDPA)", re.compile(r"scaled_dot_product|ScaledDotProduct")),
+    # Batched multiplies and softmax: SDPA's math backend (these models call them nowhere else).
+    ("attention (SDPA)", re.compile(r"scaled_dot_product|ScaledDotProduct|^aten::(bmm|_softmax|_safe_softmax|"
+                                    r"_softmax_backward_data)$|^(Bmm|Softmax|SafeSoftmax)Backward")),
     ("matrix multiplies", re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear)$|^(Mm|Addmm|Bmm)Backward")),
     ("casts and copies", re.compile(r"^aten::(copy_|_to_copy|to|contiguous|clone)$|ToCopyBackward")),
     ("loss (log-softmax, NLL)", re.compile(r"log_softmax|nll_loss|cross_entropy|LogSoftmaxBackward|NllLossBackward")),
@@ -299,12 +340,11 @@ OTHER = "other (elementwise, embedding, autograd)"
 
 
 def kind_of(event) -> str:
+    kinds = []
     while event is not None:
-        kind = next((kind for kind, pattern in KINDS if pattern.search(event.name)), None)
-        if kind is not None:
-            return kind
+        kinds += [kind for kind, pattern in KINDS if pattern.search(event.name)][:1]
         event = event.cpu_parent
-    return OTHER
+    return KINDS[0][0] if KINDS[0][0] in kinds else (kinds or [OTHER])[0]
 
 
 def profiled(run: Callable, rows: int) -> tuple[dict[str, float], str]:
@@ -368,8 +408,8 @@ def measure_profiles(args, modes: list[str]) -> dict:
     for model in MODELS:
         entry = {"threads": threads}
         kinds = {}
-        for mode in modes:
-            run = update_runner(Trainer(parse_args(run_flags(model, mode, args.batch_size))), 1)
+        for mode in contenders_of(model, modes, args.batch_size):
+            run = update_runner(build_trainer(model, mode, args.batch_size), 1)
             run()  # warm-up
             entry[f"onednn_{mode}"] = onednn_kernels(run)
             if "isa" in entry[f"onednn_{mode}"]:
@@ -380,12 +420,12 @@ def measure_profiles(args, modes: list[str]) -> dict:
             del run
             gc.collect()
         entry["kinds_s"] = {
-            kind: {**{mode: round(kinds[mode].get(kind, 0.0), 3) for mode in modes},
+            kind: {**{mode: round(kinds[mode].get(kind, 0.0), 3) for mode in kinds},
                    **{f"{mode}_speedup": round(kinds["fp32"].get(kind, 0.0) / kinds[mode][kind], 2)
-                      for mode in modes[1:] if kinds[mode].get(kind)}}
+                      for mode in kinds if mode != "fp32" and kinds[mode].get(kind)}}
             for kind in sorted(kinds["bf16"], key=kinds["bf16"].get, reverse=True)
         }
-        entry["total_s"] = {mode: round(sum(kinds[mode].values()), 3) for mode in modes}
+        entry["total_s"] = {mode: round(sum(kinds[mode].values()), 3) for mode in kinds}
         report[model] = entry
     return report
 
