@@ -210,7 +210,7 @@ def timed(run: Callable) -> float:
 def measure_ceiling(args, modes: list[str]) -> dict:
     report = {}
     tokens = TOKENS_PER_SAMPLE
-    for model in MODELS:
+    for model in args.models:
         trainer = build_trainer(model, "fp32", args.batch_size)
         block = block_of(trainer)
         del trainer
@@ -284,7 +284,7 @@ def contenders_of(model: str, modes: list[str], batch_size: int) -> list[str]:
 
 def measure_updates(args, modes: list[str]) -> dict:
     report = {}
-    for model in MODELS:
+    for model in args.models:
         modes_here = contenders_of(model, modes, args.batch_size)
         runs = {}
         for mode in modes_here:
@@ -405,7 +405,7 @@ def measure_profiles(args, modes: list[str]) -> dict:
     report = {}
     threads = max(args.threads)
     torch.set_num_threads(threads)
-    for model in MODELS:
+    for model in args.models:
         entry = {"threads": threads}
         kinds = {}
         for mode in contenders_of(model, modes, args.batch_size):
@@ -433,6 +433,7 @@ def measure_profiles(args, modes: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="ceiling,update,profile")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--threads", default=f"1,{torch.get_num_threads()}",
                         help="intra-op thread counts, comma-separated (default: 1 and torch's default)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -442,6 +443,10 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args()
     args.threads = sorted({int(t) for t in args.threads.split(",")})
+    args.models = args.models.split(",")
+    unknown = set(args.models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown --models {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
     parts = args.parts.split(",")
     modes = precisions(args.fp16)
     report = {"benchmark": "cpu_precision", **cpu_description(), "batch_size": args.batch_size,
