@@ -182,7 +182,7 @@ def bf16_math_attention() -> Iterator[None]:
 
     A CPU has no fused SDPA kernel for attention with dropout (RoBERTa's default
     attention dropout, 0.1, in training): SDPA runs its math backend, which by default
-    upcasts bf16 queries, keys and values to fp32 and so runs slower than fp32 itself. In
+    upcasts bf16 queries, keys and values to fp32 and so runs no faster than fp32. In
     bf16 its scores and probabilities round to bf16 (fp32's exponent range, so nothing
     overflows) and its matrix multiplies take the CPU's bf16 kernels. The flag is read when
     the forward records the math backend's operations, so backward follows the forward's

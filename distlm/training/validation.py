@@ -107,7 +107,7 @@ def log_cpu_bf16_path() -> None:
     """One line: whether this CPU has bf16 matrix instructions, and which, read from its flags.
 
     bf16 is correct on every CPU, so nothing is refused; unlike fp16 (whose slow path is
-    hundreds of times slower and worth a timed probe) nothing is timed, so start-up stays
+    tens of times slower or more, worth a timed probe) nothing is timed, so start-up stays
     fast. The flags decide the kernels oneDNN dispatches to, so they say what to expect.
     """
     flag, instructions = cpu_half_precision_path("bf16")
