@@ -163,9 +163,34 @@ class Precision:
 
     @contextlib.contextmanager
     def autocast(self, device_type: str, enabled: bool = True) -> Iterator[None]:
-        """Autocast to the mode's half type; ``enabled=False`` where the strategy casts itself (FSDP)."""
-        if self.autocast_dtype is None or not enabled:
+        """Autocast to the mode's half type; ``enabled=False`` where the strategy casts itself (FSDP).
+
+        bf16 on a CPU also keeps SDPA's math backend in bf16 (``bf16_math_attention``), cast
+        by autocast or by the strategy alike.
+        """
+        with contextlib.ExitStack() as stack:
+            if self.autocast_dtype == torch.bfloat16 and device_type == "cpu":
+                stack.enter_context(bf16_math_attention())
+            if self.autocast_dtype is not None and enabled:
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=self.autocast_dtype))
             yield
-            return
-        with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
-            yield
+
+
+@contextlib.contextmanager
+def bf16_math_attention() -> Iterator[None]:
+    """Let SDPA's math backend compute bf16 attention in bf16 while the context is open.
+
+    A CPU has no fused SDPA kernel for attention with dropout (RoBERTa's default
+    attention dropout, 0.1, in training): SDPA runs its math backend, which by default
+    upcasts bf16 queries, keys and values to fp32 and so runs no faster than fp32. In
+    bf16 its scores and probabilities round to bf16 (fp32's exponent range, so nothing
+    overflows) and its matrix multiplies take the CPU's bf16 kernels. The flag is read when
+    the forward records the math backend's operations, so backward follows the forward's
+    choice; the fused kernels, used without dropout, never read it.
+    """
+    previous = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(previous)

@@ -6,17 +6,23 @@ reference (the fp32 run, the parameters before a skipped update) is computed her
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from distlm.backends import hardware
 from distlm.config import parse_args
 from distlm.training.divergence import DivergenceError
 from distlm.errors import UsageError
 from distlm.optim import Fp32StateAdamW
 from distlm.state.names import unwrap
 from distlm.precision import DynamicLossScaler, Precision
+from distlm.training import validation
 from distlm.training.trainer import Trainer
 
 # ------------------------------------------------------------------ DynamicLossScaler
@@ -378,3 +384,86 @@ def test_tolerances_resolve_a_learning_rate_change(data_dir, tmp_path, fp32_traj
     faster = trajectory(data_dir, tmp_path, "fp32", arch, extra=["--lr", "1.25e-3"])
     for mode, tolerance in TOLERANCE.items():
         assert not within(faster, reference, tolerance), mode
+
+
+# ------------------------------------------------------------- the CPU's bf16 path
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["amx_bf16", "avx512_bf16"], "fast bf16 matrix instructions (CPU flag amx_bf16): AMX tiles"),
+    (["avx512_bf16"], "fast bf16 matrix instructions (CPU flag avx512_bf16): AVX512-BF16 dot products"),
+    (["avx512_fp16"], "no bf16 matrix instructions (neither amx_bf16 nor avx512_bf16): bf16 matrix multiplies go "
+                      "through fp32 arithmetic"),
+])
+def test_the_bf16_line_names_the_path_the_cpus_flags_give(monkeypatch, caplog, flags, expected):
+    monkeypatch.setattr(hardware, "cpu_half_precision_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        validation.log_cpu_bf16_path()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("--bf16 on this CPU: ") and expected in lines[0], lines
+
+
+def test_the_fp16_path_follows_amx_fp16_then_avx512_fp16():
+    assert hardware.cpu_half_precision_path("fp16", ["amx_fp16", "avx512_fp16", "amx_bf16"])[0] == "amx_fp16"
+    assert hardware.cpu_half_precision_path("fp16", ["avx512_fp16", "avx512_bf16"])[0] == "avx512_fp16"
+    assert hardware.cpu_half_precision_path("fp16", ["amx_bf16", "avx512_bf16"]) == (
+        None, "no fp16 matrix instructions (neither amx_fp16 nor avx512_fp16)")
+
+
+def test_a_bf16_cpu_run_says_its_path_once_at_start_without_a_timed_probe(data_dir, tmp_path, monkeypatch, caplog):
+    def no_probe(*args, **kwargs):
+        raise AssertionError("--bf16 times no matrix multiply at start-up")
+
+    monkeypatch.setattr(validation, "measure_cpu_matmul_flops", no_probe)
+    with caplog.at_level(logging.INFO, logger="distlm"):
+        make_trainer(data_dir, tmp_path / "bf16", "bf16")
+        make_trainer(data_dir, tmp_path / "fp32", "fp32")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--bf16 on this CPU: ")]
+    flag = hardware.cpu_half_precision_path("bf16")[0]  # this machine's, whichever it is
+    assert len(lines) == 1 and (f"(CPU flag {flag})" if flag else "no bf16 matrix instructions") in lines[0], lines
+
+
+# ------------------------------------------- bf16 attention with dropout on a CPU
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes the batched matrix multiplies (SDPA's math backend) run in."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default:
+            self.seen.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_with_dropout(inputs: list[torch.Tensor], grad: torch.Tensor, dtype: torch.dtype, context):
+    """Output and query, key, value gradients of SDPA with dropout 0.1 in ``dtype`` under
+    ``context``, in float64, and the dtypes its matrix multiplies ran in. The seed is fixed,
+    and the dropout mask is drawn element by element whatever the dtype: every call drops
+    the same positions."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in inputs)
+    torch.manual_seed(1)
+    with MatmulDtypes() as dtypes, context:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    out.backward(grad.to(dtype))
+    return [out.double(), q.grad.double(), k.grad.double(), v.grad.double()], dtypes.seen
+
+
+def test_bf16_attention_with_dropout_on_a_cpu_stays_in_bf16_and_matches_float64():
+    generator = torch.Generator().manual_seed(0)
+    *inputs, grad = (torch.randn(2, 4, 128, 32, generator=generator, dtype=torch.float64) for _ in range(4))
+    reference, _ = attention_with_dropout(inputs, grad, torch.float64, contextlib.nullcontext())
+    # Without distlm's context, torch's math backend (the only one with dropout on a CPU) upcasts bf16 to fp32.
+    _, upcast = attention_with_dropout(inputs, grad, torch.bfloat16, contextlib.nullcontext())
+    assert upcast == {torch.float32}
+    found, kept = attention_with_dropout(inputs, grad, torch.bfloat16, Precision.from_mode("bf16").autocast("cpu"))
+    assert kept == {torch.bfloat16}
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()  # restored on leaving
+    # The inputs round to bf16 (unit roundoff u = 2**-8 = 3.9e-3), and so do the scores, the
+    # probabilities, the dropped probabilities and the output: about five roundings of relative
+    # size u, 2e-2 at worst. The upcast path keeps the middle three in fp32 and lands near 1u.
+    for value, expected in zip(found, reference):
+        assert (value - expected).norm() <= 2e-2 * expected.norm()

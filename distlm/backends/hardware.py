@@ -36,6 +36,31 @@ def cpu_half_precision_flags() -> list[str]:
     return [flag for flag in HALF_PRECISION_CPU_FLAGS if flag in flags]
 
 
+# The instructions oneDNN multiplies each half type's matrices with, by the CPU flag that
+# announces them, best first (oneDNN dispatches to the best the CPU has). AVX512-BF16's
+# dot product does two multiply-adds per fp32 lane where an FMA does one: at most about
+# twice fp32's rate. AMX tiles go far beyond that.
+_HALF_PRECISION_MATMUL_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "bf16": (("amx_bf16", "AMX tiles through oneDNN's AMX kernels"),
+             ("avx512_bf16", "AVX512-BF16 dot products through oneDNN's avx512_core_bf16 kernels, "
+                             "at most about twice fp32's matrix rate")),
+    "fp16": (("amx_fp16", "AMX-FP16 tiles through oneDNN's AMX kernels"),
+             ("avx512_fp16", "AVX512-FP16 arithmetic through oneDNN's AVX512-FP16 kernels")),
+}
+
+
+def cpu_half_precision_path(precision: str, flags: list[str] | None = None) -> tuple[str | None, str]:
+    """(the CPU flag, the instructions) that multiply ``precision``'s (bf16, fp16) matrices on
+    this CPU, judged by its flags (``flags``, else /proc/cpuinfo's); (None, what is missing)
+    where the CPU has no such instructions."""
+    present = cpu_half_precision_flags() if flags is None else flags
+    for flag, instructions in _HALF_PRECISION_MATMUL_PATHS[precision]:
+        if flag in present:
+            return flag, instructions
+    wanted = " nor ".join(flag for flag, _ in _HALF_PRECISION_MATMUL_PATHS[precision])
+    return None, f"no {precision} matrix instructions (neither {wanted})"
+
+
 def host_cores() -> int:
     """Cores this process may run on (its CPU affinity), which a CPU node's ranks share."""
     try:

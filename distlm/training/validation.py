@@ -15,7 +15,12 @@ import logging
 import torch
 
 from distlm.backends import Backend
-from distlm.backends.hardware import HALF_PRECISION_CPU_FLAGS, cpu_half_precision_flags, measure_cpu_matmul_flops
+from distlm.backends.hardware import (
+    HALF_PRECISION_CPU_FLAGS,
+    cpu_half_precision_flags,
+    cpu_half_precision_path,
+    measure_cpu_matmul_flops,
+)
 from distlm.config import TrainConfig, check_settings
 from distlm.errors import UsageError
 from distlm.launch.cluster_env import ClusterEnv
@@ -27,6 +32,7 @@ from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
 from distlm.parallel.tp import validate_tp
+from distlm.precision import MODE_DTYPES
 from distlm.training.builder import ModelSpec, resolve_model_spec
 
 logger = logging.getLogger("distlm")
@@ -61,6 +67,8 @@ def validate_run(
     backend.check_strategy(settings.strategy, settings.tp_degree)
     if backend.name == "cpu" and "fp16" in config.precision_mode and not config.precision.allow_slow_fp16:
         check_cpu_fp16_speed()
+    if backend.name == "cpu" and MODE_DTYPES[config.precision_mode].compute == "bf16":
+        log_cpu_bf16_path()
     backend.check_network(settings.network)
     check_cpu_offload(settings.cpu_offload, backend.name)
     if model is not None:
@@ -93,8 +101,24 @@ def check_cpu_fp16_speed() -> None:
             "or --allow-slow-fp16 to run it anyway"
         )
     logger.info("--fp16 on this CPU: allowed, an fp16 matrix multiply runs at %.2fx fp32's speed here (%.1f against "
-                "%.1f GFLOP/s; CPU flags: %s)", fp16 / fp32, fp16 / 1e9, fp32 / 1e9,
+                "%.1f GFLOP/s; fp16 path: %s; CPU flags: %s)", fp16 / fp32, fp16 / 1e9, fp32 / 1e9,
+                cpu_half_precision_path("fp16")[1],
                 ", ".join(cpu_half_precision_flags()) or "none of " + ", ".join(HALF_PRECISION_CPU_FLAGS))
+
+
+def log_cpu_bf16_path() -> None:
+    """One line: whether this CPU has bf16 matrix instructions, and which, read from its flags.
+
+    bf16 is correct on every CPU, so nothing is refused; unlike fp16 (whose slow path is
+    tens of times slower or more, worth a timed probe) nothing is timed, so start-up stays
+    fast. The flags decide the kernels oneDNN dispatches to, so they say what to expect.
+    """
+    flag, instructions = cpu_half_precision_path("bf16")
+    if flag is None:
+        logger.info("--bf16 on this CPU: %s: bf16 matrix multiplies go through fp32 arithmetic, no faster than fp32",
+                    instructions)
+    else:
+        logger.info("--bf16 on this CPU: fast bf16 matrix instructions (CPU flag %s): %s", flag, instructions)
 
 
 def check_strategy_options(config: TrainConfig, dims: ParallelDims) -> None:
