@@ -13,6 +13,7 @@ import torch
 
 import distlm
 from distlm import choices
+from distlm.backends.hardware import HALF_PRECISION_MATMUL_PATHS
 from distlm.backends.registry import BACKENDS
 from distlm.config import DistributedConfig, build_parser, parse_args
 from distlm.models.llama import ROPE_SCALING_TYPES
@@ -53,6 +54,7 @@ def test_every_set_of_choices_is_declared_once_and_used_by_the_command_line():
     assert set(choices.PP_LOOPED_SCHEDULES) < set(choices.PP_SCHEDULES)
     assert set(choices.PP_ZERO_BUBBLE_SCHEDULES) < set(choices.PP_LOOPED_SCHEDULES)
     assert set(choices.PROFILE_DEVICE_TYPES) < set(choices.DEVICES)
+    assert set(HALF_PRECISION_MATMUL_PATHS) < set(choices.PRECISIONS)
     assert restated_choices() == []
 
 
@@ -61,7 +63,7 @@ def test_every_set_of_choices_is_declared_once_and_used_by_the_command_line():
 _TABLES = {
     "distlm/backends/registry.py": {"BACKENDS"},
     "distlm/precision.py": {"DTYPES", "MODE_DTYPES"},
-    "distlm/backends/hardware.py": {"PEAK_TFLOPS"},
+    "distlm/backends/hardware.py": {"PEAK_TFLOPS", "HALF_PRECISION_MATMUL_PATHS"},
     "distlm/models/llama/__init__.py": {"ROPE_SCALING_TYPES"},
     "distlm/training/memory.py": {"ZERO_STAGES"},
     "distlm/parallel/pipeline.py": {"SCHEDULES"},

@@ -40,7 +40,7 @@ def cpu_half_precision_flags() -> list[str]:
 # announces them, best first (oneDNN dispatches to the best the CPU has). AVX512-BF16's
 # dot product does two multiply-adds per fp32 lane where an FMA does one: at most about
 # twice fp32's rate. AMX tiles go far beyond that.
-_HALF_PRECISION_MATMUL_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+HALF_PRECISION_MATMUL_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
     "bf16": (("amx_bf16", "AMX tiles through oneDNN's AMX kernels"),
              ("avx512_bf16", "AVX512-BF16 dot products through oneDNN's avx512_core_bf16 kernels, "
                              "at most about twice fp32's matrix rate")),
@@ -54,10 +54,10 @@ def cpu_half_precision_path(precision: str, flags: list[str] | None = None) -> t
     this CPU, judged by its flags (``flags``, else /proc/cpuinfo's); (None, what is missing)
     where the CPU has no such instructions."""
     present = cpu_half_precision_flags() if flags is None else flags
-    for flag, instructions in _HALF_PRECISION_MATMUL_PATHS[precision]:
+    for flag, instructions in HALF_PRECISION_MATMUL_PATHS[precision]:
         if flag in present:
             return flag, instructions
-    wanted = " nor ".join(flag for flag, _ in _HALF_PRECISION_MATMUL_PATHS[precision])
+    wanted = " nor ".join(flag for flag, _ in HALF_PRECISION_MATMUL_PATHS[precision])
     return None, f"no {precision} matrix instructions (neither {wanted})"
 
 
