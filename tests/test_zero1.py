@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import warnings
 
 import torch
@@ -512,3 +514,14 @@ def test_one_process_gets_plain_adamw():
     model = torch.nn.Linear(4, 4)
     optimizer = build_zero1_optimizer(model.parameters(), AdamWSettings.from_config(optim_config()), None, torch.float32)
     assert type(optimizer) is torch.optim.AdamW
+
+
+def test_only_zero1_loads_torch_distributed_optim():
+    """torch.distributed.optim scripts its functional optimizers as it loads, a cost at every
+    start-up: the trainer and the strategies' handle import it only when ZeRO-1 builds its
+    optimizer (test_strategies trains under --strategy zero1 through that handle)."""
+    code = ("import sys\nfrom distlm.training.trainer import Trainer\n"
+            "from distlm.parallel.handle import DataParallelHandle\n"
+            "print('torch.distributed.optim' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert proc.stdout.split() == ["False"], proc.stdout + proc.stderr

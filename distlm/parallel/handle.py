@@ -26,7 +26,6 @@ from distlm.optim import AdamWSettings, build_optimizer
 from distlm.parallel.ddp import DoubleBufferState
 from distlm.parallel.tp import clip_grad_norm_ as tp_clip_grad_norm_
 from distlm.parallel.tp import local_value, loss_context
-from distlm.parallel.zero1 import build_zero1_optimizer
 
 
 @contextlib.contextmanager
@@ -124,6 +123,11 @@ class DataParallelHandle:
     def build_optimizer(self, settings: AdamWSettings, param_dtype: torch.dtype) -> torch.optim.Optimizer:
         """AdamW over the model's parameters; ZeRO-1 shards its state over the data-parallel group."""
         if self.shards_optimizer_state:
+            # Imported here: torch.distributed.optim, on which ZeRO-1 builds, scripts a dozen
+            # functional optimizers as it loads, 0.3-0.5 s of every process's start-up that
+            # only this strategy needs.
+            from distlm.parallel.zero1 import build_zero1_optimizer
+
             return build_zero1_optimizer(
                 self.model.parameters(), settings, self.dp_group, param_dtype, sync_bucket_mb=self.sync_bucket_mb
             )
