@@ -259,8 +259,10 @@ parser.add_argument("--nodes-per-job", dest="ranks_per_node", default=None)
 # hide inside a function is an import of distlm itself (a cycle, or a layering problem).
 # The exceptions: the package's lazy attributes (`import distlm.data` in a data worker must
 # not load the trainer) and the entry point's training, which loads torch, the models and the
-# data only once the command line is parsed, so that --help and a refused flag answer at once.
-_LAZY_BY_DESIGN = {("__init__.py", "__getattr__"), ("train.py", "train")}
+# data only once the command line is parsed, so that --help and a refused flag answer at once;
+# and ZeRO-1's optimizer, whose base (torch.distributed.optim) scripts a dozen functional
+# optimizers as it loads, a start-up cost only that strategy should pay.
+_LAZY_BY_DESIGN = {("__init__.py", "__getattr__"), ("train.py", "train"), ("parallel/handle.py", "build_optimizer")}
 
 
 def test_no_module_of_distlm_imports_distlm_inside_a_function():
