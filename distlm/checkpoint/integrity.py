@@ -28,11 +28,13 @@ import hashlib
 import io
 import os
 import stat
+import threading
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from distlm.checkpoint import directory
@@ -153,6 +155,40 @@ class _HashingFileSystem(FileSystem):
             self.written[Path(new_path)] = self.written.pop(Path(path))
 
 
+class _ZipChecksums:
+    """Switches off torch.save's CRC-32 of each record while any save of distlm's writes.
+
+    DCP writes every tensor with torch.save, whose zip records carry a CRC-32 that
+    torch.load never checks; distlm's own CRC-32 of each whole file covers the same bytes.
+    Computing both hashed every byte twice, the zip's the slower of the two (miniz's table
+    against zlib's). The setting is torch's, for the whole process: a count of the saves
+    writing keeps it off until the last one ends, then puts back what it was.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writing = 0
+        self._before = True
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        with self._lock:
+            if self._writing == 0:
+                self._before = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writing -= 1
+                if self._writing == 0:
+                    torch.serialization.set_crc32_options(self._before)
+
+
+zip_checksums_off = _ZipChecksums().off
+
+
 class HashingWriter(FileSystemWriter):
     """DCP's file writer that hashes each file as it writes it (``hashed()``), so that a
     save need not read its shards back to record their checksums."""
@@ -160,6 +196,10 @@ class HashingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with zip_checksums_off():  # the files' own checksums cover every byte once
+            return super().write_data(plan, planner)
 
     def hashed(self) -> dict[str, dict[str, Any]]:
         """Name inside the checkpoint -> size and checksum of each file this writer wrote there."""
