@@ -8,8 +8,9 @@ ran at 3.9 GB/s on one core against 1.5 GB/s for SHA-256, the fastest of hashlib
 has SHA instructions), and 2.0 GB/s for a direct write to the disk, so SHA-256 alone would cost
 more than the write. It finds a damaged file as surely; neither would stop a forger, who can
 rewrite the table beside the files. Each entry names its algorithm by its key (``crc32``;
-``sha256`` in checkpoints saved before), and a reader verifies either. A resume verifies them
-before loading, each rank a share of the files; an export verifies them all. A flipped byte so ends in one line naming
+``sha256`` in checkpoints saved before), and a reader verifies either. A resume verifies them,
+each rank a share of the files, the shards' as it reads them (verified_read.py); an export
+verifies them all before it reads a tensor. A flipped byte so ends in one line naming
 the file instead of a wrong weight.
 
 The table is the whole checkpoint: a reader refuses one without it (a tool that rewrote
@@ -208,9 +209,11 @@ class HashingWriter(FileSystemWriter):
                 if path.is_relative_to(root)}
 
 
-def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None) -> str | None:
+def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None,
+           contents: bool = True) -> str | None:
     """Why one of the files ``names`` (default: all recorded) differs from what the save
-    recorded, or None. Sizes are compared first, so a cut file is found without reading it."""
+    recorded, or None. Sizes are compared first, so a cut file is found without reading it;
+    ``contents=False`` stops there (a load verifies the checksums of the shards as it reads them)."""
     names = sorted(recorded) if names is None else names
     for name in names:
         file = path / name
@@ -224,12 +227,25 @@ def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | N
         size = status.st_size
         if size != expected.get("size"):
             return f"{file} has {size} bytes, {expected.get('size')} were written"
-        algorithm = next((name for name in ALGORITHMS if name in expected), None)
+        algorithm = algorithm_of(expected)
         if algorithm is None:
-            return f"{file} has no checksum distlm knows in {directory.META_FILE} (it reads {', '.join(ALGORITHMS)})"
-        if digest(file, algorithm)[algorithm] != expected[algorithm]:
-            return f"{file} differs from what was written (its {algorithm} does not match {directory.META_FILE})"
+            return unknown_checksum(file)
+        if contents and digest(file, algorithm)[algorithm] != expected[algorithm]:
+            return differs(file, algorithm)
     return None
+
+
+def algorithm_of(entry: dict[str, Any]) -> str | None:
+    """The checksum a table entry records (its key), of those distlm knows."""
+    return next((name for name in ALGORITHMS if name in entry), None)
+
+
+def unknown_checksum(file: Path) -> str:
+    return f"{file} has no checksum distlm knows in {directory.META_FILE} (it reads {', '.join(ALGORITHMS)})"
+
+
+def differs(file: Path, algorithm: str) -> str:
+    return f"{file} differs from what was written (its {algorithm} does not match {directory.META_FILE})"
 
 
 def recorded_files(meta: dict[str, Any], where: Path) -> dict[str, dict[str, Any]]:
