@@ -1,8 +1,8 @@
 """The faster paths of saving and loading compute what the slower ones did: a save that
 hashes each byte once writes a checkpoint that loads to the same tensors and whose
-checksums verify; a load that verifies the shards as it reads them loads the same tensors,
-reads each shard once and still finds a damaged byte. Speed itself is measured by
-benchmarks/checkpoint.py --disk-speed, never here.
+checksums verify; a load that reads the records into the tensors and verifies the shards
+as it reads them loads the same tensors, reads each shard once and still finds a damaged
+byte. Speed itself is measured by benchmarks/checkpoint.py --disk-speed, never here.
 """
 
 from __future__ import annotations
@@ -129,6 +129,32 @@ def test_a_verified_load_reads_each_shard_once_and_loads_the_same_tensors(tmp_pa
     size = sum(entry["size"] for entry in hashed.values())
     # Once, give or take the few bytes of zip headers torch.load reads out of order.
     assert size <= sum(counted_reads) <= size + 64 * 1024, (size, sum(counted_reads))
+
+
+def test_a_load_reads_the_bytes_straight_into_the_tensors_where_they_fit_and_as_dcp_does_elsewhere(tmp_path,
+                                                                                                  monkeypatch):
+    """The records' layouts are read alone (onto the meta device) and their bytes into the
+    tensors being loaded; a tensor of another dtype takes torch.load's tensor, converted."""
+    state = a_state()
+    hashed = shards(save(state, tmp_path / "save"))
+    loads = []
+    load = torch.load
+
+    def recording(*args, **kwargs):
+        loads.append(str(kwargs["map_location"]))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(verified_read.torch, "load", recording)
+    loaded = zeros_like(state)
+    storage.load(loaded, tmp_path / "save", no_dist=True, reader=VerifyingReader(tmp_path / "save", hashed))
+    assert_equal_states(loaded, state)
+    assert set(loads) == {"meta"} and len(loads) == 5
+    loads.clear()
+    wider = {"model": {"embed": torch.zeros(3000, 200, dtype=torch.float64)}}
+    reader = VerifyingReader(tmp_path / "save", hashed)
+    storage.load(wider, tmp_path / "save", no_dist=True, reader=reader)
+    assert reader.problem is None and loads == ["meta", "cpu"]
+    assert torch.equal(wider["model"]["embed"], state["model"]["embed"].double())
 
 
 def test_a_load_of_part_of_a_shard_still_verifies_it_whole(tmp_path, counted_reads):
