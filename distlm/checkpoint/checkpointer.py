@@ -101,6 +101,11 @@ class Checkpointer:
             self._saved_at = num_updates
             self._saver.save(names, states, describe, write_extras)
 
+    @property
+    def writing(self) -> bool:
+        """Whether an asynchronous save of this rank's is still being written in the background."""
+        return self._saver.writing
+
     def wait(self) -> None:
         """Complete an asynchronous save still being written (collective)."""
         self._saver.wait()

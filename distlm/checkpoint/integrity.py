@@ -8,8 +8,9 @@ ran at 3.9 GB/s on one core against 1.5 GB/s for SHA-256, the fastest of hashlib
 has SHA instructions), and 2.0 GB/s for a direct write to the disk, so SHA-256 alone would cost
 more than the write. It finds a damaged file as surely; neither would stop a forger, who can
 rewrite the table beside the files. Each entry names its algorithm by its key (``crc32``;
-``sha256`` in checkpoints saved before), and a reader verifies either. A resume verifies them
-before loading, each rank a share of the files; an export verifies them all. A flipped byte so ends in one line naming
+``sha256`` in checkpoints saved before), and a reader verifies either. A resume verifies them,
+each rank a share of the files, the shards' as it reads them (verified_read.py); an export
+verifies them all before it reads a tensor. A flipped byte so ends in one line naming
 the file instead of a wrong weight.
 
 The table is the whole checkpoint: a reader refuses one without it (a tool that rewrote
@@ -28,11 +29,13 @@ import hashlib
 import io
 import os
 import stat
+import threading
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from distlm.checkpoint import directory
@@ -153,6 +156,40 @@ class _HashingFileSystem(FileSystem):
             self.written[Path(new_path)] = self.written.pop(Path(path))
 
 
+class _ZipChecksums:
+    """Switches off torch.save's CRC-32 of each record while any save of distlm's writes.
+
+    DCP writes every tensor with torch.save, whose zip records carry a CRC-32 that
+    torch.load never checks; distlm's own CRC-32 of each whole file covers the same bytes.
+    Computing both hashed every byte twice, the zip's the slower of the two (miniz's table
+    against zlib's). The setting is torch's, for the whole process: a count of the saves
+    writing keeps it off until the last one ends, then puts back what it was.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writing = 0
+        self._before = True
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        with self._lock:
+            if self._writing == 0:
+                self._before = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            self._writing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writing -= 1
+                if self._writing == 0:
+                    torch.serialization.set_crc32_options(self._before)
+
+
+zip_checksums_off = _ZipChecksums().off
+
+
 class HashingWriter(FileSystemWriter):
     """DCP's file writer that hashes each file as it writes it (``hashed()``), so that a
     save need not read its shards back to record their checksums."""
@@ -161,6 +198,10 @@ class HashingWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.fs = _HashingFileSystem()
 
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        with zip_checksums_off():  # the files' own checksums cover every byte once
+            return super().write_data(plan, planner)
+
     def hashed(self) -> dict[str, dict[str, Any]]:
         """Name inside the checkpoint -> size and checksum of each file this writer wrote there."""
         root = Path(self.path)
@@ -168,9 +209,11 @@ class HashingWriter(FileSystemWriter):
                 if path.is_relative_to(root)}
 
 
-def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None) -> str | None:
+def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | None = None,
+           contents: bool = True) -> str | None:
     """Why one of the files ``names`` (default: all recorded) differs from what the save
-    recorded, or None. Sizes are compared first, so a cut file is found without reading it."""
+    recorded, or None. Sizes are compared first, so a cut file is found without reading it;
+    ``contents=False`` stops there (a load verifies the checksums of the shards as it reads them)."""
     names = sorted(recorded) if names is None else names
     for name in names:
         file = path / name
@@ -184,12 +227,25 @@ def verify(path: Path, recorded: dict[str, dict[str, Any]], names: list[str] | N
         size = status.st_size
         if size != expected.get("size"):
             return f"{file} has {size} bytes, {expected.get('size')} were written"
-        algorithm = next((name for name in ALGORITHMS if name in expected), None)
+        algorithm = algorithm_of(expected)
         if algorithm is None:
-            return f"{file} has no checksum distlm knows in {directory.META_FILE} (it reads {', '.join(ALGORITHMS)})"
-        if digest(file, algorithm)[algorithm] != expected[algorithm]:
-            return f"{file} differs from what was written (its {algorithm} does not match {directory.META_FILE})"
+            return unknown_checksum(file)
+        if contents and digest(file, algorithm)[algorithm] != expected[algorithm]:
+            return differs(file, algorithm)
     return None
+
+
+def algorithm_of(entry: dict[str, Any]) -> str | None:
+    """The checksum a table entry records (its key), of those distlm knows."""
+    return next((name for name in ALGORITHMS if name in entry), None)
+
+
+def unknown_checksum(file: Path) -> str:
+    return f"{file} has no checksum distlm knows in {directory.META_FILE} (it reads {', '.join(ALGORITHMS)})"
+
+
+def differs(file: Path, algorithm: str) -> str:
+    return f"{file} differs from what was written (its {algorithm} does not match {directory.META_FILE})"
 
 
 def recorded_files(meta: dict[str, Any], where: Path) -> dict[str, dict[str, Any]]:

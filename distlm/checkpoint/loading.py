@@ -1,8 +1,9 @@
 """Loading a checkpoint into a run's Stateful objects, whatever layout wrote it.
 
-A sharded checkpoint is verified against its recorded checksums (each rank a share of the
-files), then each rank reads only the slices its own shards need; a single-file checkpoint
-of the old format is cut into this rank's shards. The model must be the one saved, unless
+A sharded checkpoint is verified against its recorded checksums, each rank a share of the
+files: the shards' as the load reads them (verified_read.py), so a shard is read once, every
+other file's before. Each rank reads only the slices its own shards need; a single-file
+checkpoint of the old format is cut into this rank's shards. The model must be the one saved, unless
 ``--load-partial`` takes the weights both share. The reset flags (``--reset-optimizer``,
 ``--reset-meters``, ``--reset-dataloader``, ``--reset-lr-scheduler``) choose what starts
 afresh, and a layout change reseeds dropout, since the saved RNG streams belong to the old one.
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlm.checkpoint import compare, integrity, legacy, storage
@@ -35,6 +36,7 @@ from distlm.checkpoint.stateful import (
     load_full_optimizer_state,
     seed_dropout,
 )
+from distlm.checkpoint.verified_read import VerifyingReader
 from distlm.config import CheckpointConfig
 from distlm.errors import UsageError
 from distlm.runtime.agreement import data_files
@@ -162,7 +164,7 @@ class CheckpointLoader:
         """Load every wanted state the shards hold; returns their names."""
         saved = storage.read_metadata(path)
         storage.check_shards_present(path, saved)
-        self._verify(path, meta)
+        shards = self._verify(path, meta, saved)
         entries = saved.state_dict_metadata
         prefixes = _prefixes(entries)
         templates: dict[str, Any] = {}
@@ -175,11 +177,20 @@ class CheckpointLoader:
             template = _present(template, key, entries, prefixes, path)
             if template:
                 templates[key] = template
+        reader = VerifyingReader(path, shards) if shards is not None else None
+        failure = None
         try:
             with storage.single_process_quiet():
-                storage.load(templates, path, no_dist=not self.ctx.is_distributed)
+                storage.load(templates, path, no_dist=not self.ctx.is_distributed, reader=reader)
         except dcp.CheckpointException as err:
-            raise UsageError(f"{path}: cannot be read ({storage.read_failure(err)})") from None
+            failure = err
+        if reader is not None:
+            # A damaged file first: the read failure it may cause on another rank comes from it.
+            problem = next((problem for problem in self.ctx.all_gather_object(reader.problem) if problem), None)
+            if problem is not None:
+                raise UsageError(f"{problem}; {integrity.remedy(path, meta)}")
+        if failure is not None:
+            raise UsageError(f"{path}: cannot be read ({storage.read_failure(failure)})") from None
         for key, state in templates.items():
             states[key].load_state_dict(state)
         return set(templates)
@@ -212,16 +223,20 @@ class CheckpointLoader:
                         len(left_out), ", ".join(left_out))
         return {name: template[name] for name in shared if name in template}
 
-    def _verify(self, path: Path, meta: dict[str, Any]) -> None:
-        """Every file against the checksums the save recorded, each rank a share, and no file
-        there that the save did not write (collective)."""
+    def _verify(self, path: Path, meta: dict[str, Any], saved: Metadata) -> dict[str, dict[str, Any]] | None:
+        """Every file against what the save recorded, each rank a share, and no file there that
+        the save did not write (collective). The shards' sizes only: their checksums are verified
+        as the load reads them (verified_read.py), and their entries are returned for that;
+        None with --no-verify-checkpoint."""
         if self.settings.no_verify_checkpoint:
             if self.ctx.is_main:
                 logger.warning("%s: checksums not verified (--no-verify-checkpoint)", path)
-            return
+            return None
         files = integrity.recorded_files(meta, path)
+        shards = storage.shard_files(saved) & set(files)
         names = sorted(files)[self.ctx.rank::self.ctx.world_size]
-        problem = integrity.verify(path, files, names)
+        problem = (integrity.verify(path, files, [name for name in names if name in shards], contents=False)
+                   or integrity.verify(path, files, [name for name in names if name not in shards]))
         if problem is not None:
             problem = f"{problem}; {integrity.remedy(path, meta)}"
         elif self.ctx.is_main:
@@ -229,6 +244,7 @@ class CheckpointLoader:
         problems = [problem for problem in self.ctx.all_gather_object(problem) if problem is not None]
         if problems:
             raise UsageError(problems[0])
+        return {name: files[name] for name in shards}
 
 
 def _prefixes(entries: dict[str, Any]) -> set[str]:

@@ -126,6 +126,11 @@ class CheckpointSaver:
         self._commit(names, meta, writer.hashed())
         logger.info("saved %s in %.2f s", ", ".join(names), time.perf_counter() - started)
 
+    @property
+    def writing(self) -> bool:
+        """Whether an asynchronous save of this rank's is still being written."""
+        return self._pending is not None and not self._pending[0].done()
+
     def wait(self) -> None:
         """Complete an asynchronous save still being written (collective)."""
         if self._pending is None:

@@ -216,8 +216,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def load(state: dict[str, Any], path: Path, no_dist: bool, process_group=None) -> None:
-    """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner."""
+def load(state: dict[str, Any], path: Path, no_dist: bool, process_group=None,
+         reader: SafeReader | None = None) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the safe reader (or ``reader``, one
+    derived from it) and planner."""
     with no_pickle_protocol_warning():  # DCP reads tensor records with torch.load too
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(), process_group=process_group,
-                 no_dist=no_dist)
+        dcp.load(state, storage_reader=reader or SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
