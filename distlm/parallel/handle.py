@@ -124,8 +124,7 @@ class DataParallelHandle:
         """AdamW over the model's parameters; ZeRO-1 shards its state over the data-parallel group."""
         if self.shards_optimizer_state:
             # Imported here: torch.distributed.optim, on which ZeRO-1 builds, scripts a dozen
-            # functional optimizers as it loads, 0.3-0.5 s of every process's start-up that
-            # only this strategy needs.
+            # functional optimizers as it loads, a start-up cost that only this strategy needs.
             from distlm.parallel.zero1 import build_zero1_optimizer
 
             return build_zero1_optimizer(
