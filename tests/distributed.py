@@ -40,7 +40,9 @@ from distlm.errors import exit_without_teardown
 
 
 # Imported once by the fork server, for every worker forked from it.
-PRELOAD = ["torch", "torch.distributed", "numpy", "pytest", "distlm.training.trainer"]
+# torch._dynamo too: every torch optimizer imports it on its first parameter group, about half a
+# second that each worker would otherwise pay again.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "pytest", "distlm.training.trainer"]
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict,
