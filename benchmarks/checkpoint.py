@@ -66,6 +66,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
+from distlm.backends.hardware import cpu_model_and_flags
 from distlm.checkpoint import LAST, Checkpointer, integrity
 from distlm.config import parse_args
 from distlm.data.indexed_dataset import write_indexed_dataset
@@ -614,11 +615,10 @@ def main() -> None:
 
 def cpu_model() -> dict[str, str]:
     """The processor's model name and the flags that matter to checksums and copies."""
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    model, flags = cpu_model_and_flags()
     wanted = ("sse4_2", "pclmulqdq", "vpclmulqdq", "avx2", "avx512f", "avx512bw", "avx512vl", "sha_ni")
-    return {"model": model, "flags": " ".join(flag for flag in wanted if flag in flags), "cores": str(os.cpu_count())}
+    return {"model": model or "?", "flags": " ".join(flag for flag in wanted if flag in flags),
+            "cores": str(os.cpu_count())}
 
 
 def _shapes(trainer: Trainer) -> list[tuple[int, ...]]:

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from distlm.backends.hardware import cpu_half_precision_flags, cpu_half_precision_path
+from distlm.backends.hardware import cpu_half_precision_flags, cpu_half_precision_path, cpu_model_and_flags
 from distlm.config import parse_args
 from distlm.precision import DTYPES, Precision, dtype_name, precision_flags
 from distlm.training.trainer import Trainer
@@ -84,8 +84,7 @@ def precisions(force_fp16: bool) -> list[str]:
 
 
 def cpu_description() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
+    model = cpu_model_and_flags()[0] or platform.processor()
     return {"cpu": model, "cores": os.cpu_count(), "half_precision_flags": cpu_half_precision_flags(),
             "bf16_path": cpu_half_precision_path("bf16")[1], "fp16_path": cpu_half_precision_path("fp16")[1],
             "torch": torch.__version__, "date": datetime.date.today().isoformat(),

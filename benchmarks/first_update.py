@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from distlm.backends.hardware import cpu_model_and_flags
+
 REPO = Path(__file__).resolve().parent.parent
 TORCHTITAN_WRAPPER = REPO / "benchmarks" / "torchtitan_cpu.py"
 
@@ -241,18 +243,9 @@ def import_profile(command: list[str], env: dict[str, str], cwd: Path) -> dict:
 
 def cpu_description() -> dict:
     """The CPU's model name and the instruction-set flags that decide matmul speed."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = cpu_model_and_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    return {"model": model, "flags": [flag for flag in wanted if flag in flags],
+    return {"model": model or "unknown", "flags": [flag for flag in wanted if flag in flags],
             "cores": len(os.sched_getaffinity(0))}
 
 

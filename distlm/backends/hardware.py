@@ -26,13 +26,28 @@ from distlm.precision import DTYPES, dtype_name
 HALF_PRECISION_CPU_FLAGS = ("amx_fp16", "amx_bf16", "avx512_fp16", "avx512_bf16")
 
 
-def cpu_half_precision_flags() -> list[str]:
-    """Which of ``HALF_PRECISION_CPU_FLAGS`` this CPU reports in /proc/cpuinfo (none where it cannot be read)."""
+def cpu_model_and_flags() -> tuple[str | None, set[str]]:
+    """This CPU's model name and instruction-set flags as /proc/cpuinfo gives them for its first
+    processor; (None, no flags) where it cannot be read (not Linux)."""
+    model, flags = None, None
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and flags is None:
+                    flags = set(value.split())
+                if model is not None and flags is not None:
+                    break
     except OSError:
-        return []
+        pass
+    return model, flags or set()
+
+
+def cpu_half_precision_flags() -> list[str]:
+    """Which of ``HALF_PRECISION_CPU_FLAGS`` this CPU reports in /proc/cpuinfo (none where it cannot be read)."""
+    flags = cpu_model_and_flags()[1]
     return [flag for flag in HALF_PRECISION_CPU_FLAGS if flag in flags]
 
 
