@@ -32,7 +32,7 @@ from distlm.parallel.expert import check_expert_parallel
 from distlm.parallel.fsdp import check_cpu_offload
 from distlm.parallel.pipeline import check_pipeline
 from distlm.parallel.tp import validate_tp
-from distlm.precision import MODE_DTYPES
+from distlm.precision import MODE_DTYPES, computes_in_fp16
 from distlm.training.builder import ModelSpec, resolve_model_spec
 
 logger = logging.getLogger("distlm")
@@ -65,7 +65,7 @@ def validate_run(
     check_strategy_options(config, dims)
     backend.check_precision(config.precision_mode)
     backend.check_strategy(settings.strategy, settings.tp_degree)
-    if backend.name == "cpu" and "fp16" in config.precision_mode and not config.precision.allow_slow_fp16:
+    if backend.name == "cpu" and computes_in_fp16(config.precision_mode) and not config.precision.allow_slow_fp16:
         check_cpu_fp16_speed()
     if backend.name == "cpu" and MODE_DTYPES[config.precision_mode].compute == "bf16":
         log_cpu_bf16_path()
